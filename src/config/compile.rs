@@ -1,0 +1,664 @@
+//! From the file as written ([`raw`](super::raw)) to a checked [`Config`].
+//!
+//! Every problem found is collected (not only the first), each as
+//! `file:line: where: what`, so one `sluice check` run shows them all.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Method, StatusCode};
+use ipnet::IpNet;
+use toml::Spanned;
+
+use super::raw::*;
+use super::*;
+
+/// Collects messages that point into the file.
+struct Diag<'a> {
+    name: &'a str,
+    text: &'a str,
+    errors: Vec<String>,
+}
+
+impl Diag<'_> {
+    fn line(&self, span: &Range<usize>) -> usize {
+        let end = span.start.min(self.text.len());
+        self.text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
+    }
+
+    fn err(&mut self, span: &Range<usize>, msg: impl AsRef<str>) {
+        let line = self.line(span);
+        self.errors
+            .push(format!("{}:{line}: {}", self.name, msg.as_ref()));
+    }
+}
+
+pub fn compile(text: &str, name: &str, base: &Path) -> Result<Config, ConfigError> {
+    let mut d = Diag {
+        name,
+        text,
+        errors: Vec::new(),
+    };
+    let raw: RawConfig = match toml::from_str(text) {
+        Ok(raw) => raw,
+        Err(e) => {
+            let span = e.span().unwrap_or(0..0);
+            d.err(&span, e.message().trim_end());
+            return Err(ConfigError::Invalid(d.errors));
+        }
+    };
+
+    let server = server(&mut d, &raw.server, base);
+    let store = store(&mut d, raw.store.as_ref(), base);
+    let headers = match &raw.headers.style {
+        None => HeaderStyle::XRateLimit,
+        Some(s) => match s.get_ref().as_str() {
+            "x-ratelimit" => HeaderStyle::XRateLimit,
+            "ietf" => HeaderStyle::Ietf,
+            "both" => HeaderStyle::Both,
+            "none" => HeaderStyle::None,
+            other => {
+                d.err(
+                    &s.span(),
+                    format!("headers.style: unknown style '{other}' (use \"x-ratelimit\", \"ietf\", \"both\" or \"none\")"),
+                );
+                HeaderStyle::XRateLimit
+            }
+        },
+    };
+
+    let mut upstreams = BTreeMap::new();
+    for (name, raw) in &raw.upstreams {
+        if let Some(u) = upstream(&mut d, name, raw, base) {
+            upstreams.insert(name.clone(), Arc::new(u));
+        }
+    }
+    let mut policies = BTreeMap::new();
+    for (name, raw) in &raw.policies {
+        if let Some(p) = policy(&mut d, name, raw) {
+            policies.insert(name.clone(), Arc::new(p));
+        }
+    }
+    // A route naming a declared but broken upstream or policy gets no second error.
+    let declared_upstreams: HashSet<&str> = raw.upstreams.keys().map(|k| k.as_str()).collect();
+    let declared_policies: HashSet<&str> = raw.policies.keys().map(|k| k.as_str()).collect();
+    let mut routes = Vec::new();
+    for (i, raw) in raw.routes.iter().enumerate() {
+        let names = Names {
+            upstreams: &upstreams,
+            policies: &policies,
+            declared_upstreams: &declared_upstreams,
+            declared_policies: &declared_policies,
+        };
+        if let Some(r) = route(&mut d, i, raw, &names) {
+            routes.push(r);
+        }
+    }
+
+    if !d.errors.is_empty() {
+        return Err(ConfigError::Invalid(d.errors));
+    }
+    Ok(Config {
+        server,
+        store,
+        headers,
+        upstreams: upstreams.into_values().collect(),
+        policies: policies.into_values().collect(),
+        routes,
+    })
+}
+
+struct Names<'a> {
+    upstreams: &'a BTreeMap<String, Arc<Upstream>>,
+    policies: &'a BTreeMap<String, Arc<Policy>>,
+    declared_upstreams: &'a HashSet<&'a str>,
+    declared_policies: &'a HashSet<&'a str>,
+}
+
+fn duration_value(d: &mut Diag, key: &str, value: &Spanned<String>) -> Option<Duration> {
+    match duration::parse(value.get_ref()) {
+        Ok(v) if v.is_zero() => {
+            d.err(&value.span(), format!("{key}: must be longer than zero"));
+            None
+        }
+        Ok(v) => Some(v),
+        Err(e) => {
+            d.err(&value.span(), format!("{key}: {e}"));
+            None
+        }
+    }
+}
+
+fn positive(d: &mut Diag, key: &str, value: &Spanned<i64>) -> Option<u64> {
+    if *value.get_ref() <= 0 {
+        d.err(
+            &value.span(),
+            format!("{key}: must be a whole number above zero, not {}", value.get_ref()),
+        );
+        return None;
+    }
+    Some(*value.get_ref() as u64)
+}
+
+fn socket_addr(d: &mut Diag, key: &str, value: &Spanned<String>) -> Option<SocketAddr> {
+    let text = value.get_ref();
+    let text = text.strip_prefix("localhost:").map_or(text.clone(), |port| format!("127.0.0.1:{port}"));
+    match text.parse() {
+        Ok(addr) => Some(addr),
+        Err(_) => {
+            d.err(
+                &value.span(),
+                format!("{key}: '{}' is not an address like \"127.0.0.1:8080\" or \"[::]:8080\"", value.get_ref()),
+            );
+            None
+        }
+    }
+}
+
+fn file(base: &Path, name: &str) -> std::path::PathBuf {
+    base.join(name)
+}
+
+fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
+    let mut s = ServerConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+        workers: 0,
+        admin_listen: None,
+        trusted_proxies: Vec::new(),
+        upstream_timeout: Duration::from_secs(30),
+        max_header_bytes: 98_304,
+        shutdown_timeout: Duration::from_secs(10),
+        tls: None,
+    };
+    if let Some(v) = &raw.listen {
+        s.listen = socket_addr(d, "server.listen", v).unwrap_or(s.listen);
+    }
+    if let Some(v) = &raw.admin_listen {
+        s.admin_listen = socket_addr(d, "server.admin_listen", v);
+    }
+    if let Some(v) = &raw.workers {
+        if *v.get_ref() < 0 || *v.get_ref() > 1024 {
+            d.err(&v.span(), "server.workers: must be between 0 (one per core) and 1024");
+        } else {
+            s.workers = *v.get_ref() as usize;
+        }
+    }
+    for (i, v) in raw.trusted_proxies.iter().flatten().enumerate() {
+        let text = v.get_ref().trim();
+        let net = text
+            .parse::<IpNet>()
+            .ok()
+            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
+        match net {
+            Some(net) => s.trusted_proxies.push(net.trunc()),
+            None => d.err(
+                &v.span(),
+                format!("server.trusted_proxies[{i}]: '{text}' is not an address or CIDR range like \"10.0.0.0/8\""),
+            ),
+        }
+    }
+    if let Some(v) = &raw.upstream_timeout {
+        s.upstream_timeout = duration_value(d, "server.upstream_timeout", v).unwrap_or(s.upstream_timeout);
+    }
+    if let Some(v) = &raw.shutdown_timeout {
+        s.shutdown_timeout = duration_value(d, "server.shutdown_timeout", v).unwrap_or(s.shutdown_timeout);
+    }
+    if let Some(v) = &raw.max_header_bytes {
+        match positive(d, "server.max_header_bytes", v) {
+            Some(n) if n < 1024 || n > 16 * 1024 * 1024 => d.err(
+                &v.span(),
+                "server.max_header_bytes: must be between 1024 and 16777216",
+            ),
+            Some(n) => s.max_header_bytes = n as usize,
+            None => {}
+        }
+    }
+    if let Some(tls) = &raw.tls {
+        let t = tls.get_ref();
+        s.tls = Some(TlsFiles {
+            cert: file(base, t.cert.get_ref()),
+            key: file(base, t.key.get_ref()),
+        });
+    }
+    s
+}
+
+fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreConfig {
+    let mut s = StoreConfig {
+        backend: Backend::Memory,
+        url: None,
+        cluster: Vec::new(),
+        timeout: Duration::from_millis(100),
+        ca: None,
+        on_error: OnError::Allow,
+        clock: ClockSource::Redis,
+        prefix: "sluice:".to_string(),
+        deny_cache: true,
+        max_keys: 1_000_000,
+    };
+    let Some(raw) = raw else { return s };
+    let span = raw.span();
+    let r = raw.get_ref();
+    if let Some(v) = &r.backend {
+        match v.get_ref().as_str() {
+            "memory" => s.backend = Backend::Memory,
+            "redis" => s.backend = Backend::Redis,
+            other => d.err(
+                &v.span(),
+                format!("store.backend: unknown backend '{other}' (use \"redis\" or \"memory\")"),
+            ),
+        }
+    }
+    let check_url = |d: &mut Diag, key: &str, v: &Spanned<String>| {
+        let url = v.get_ref();
+        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            d.err(&v.span(), format!("{key}: '{}' must start with redis:// or rediss://", redact(url)));
+        }
+    };
+    if let Some(v) = &r.url {
+        check_url(d, "store.url", v);
+        s.url = Some(v.get_ref().clone());
+    }
+    if let Some(list) = &r.cluster {
+        if list.get_ref().is_empty() {
+            d.err(&list.span(), "store.cluster: needs at least one seed node URL");
+        }
+        for (i, v) in list.get_ref().iter().enumerate() {
+            check_url(d, &format!("store.cluster[{i}]"), v);
+            s.cluster.push(v.get_ref().clone());
+        }
+    }
+    if s.backend == Backend::Redis {
+        match (&r.url, &r.cluster) {
+            (Some(v), Some(_)) => d.err(&v.span(), "store: give either url or cluster, not both"),
+            (None, None) => d.err(&span, "store: backend \"redis\" needs url (or cluster)"),
+            _ => {}
+        }
+    }
+    if let Some(v) = &r.timeout {
+        s.timeout = duration_value(d, "store.timeout", v).unwrap_or(s.timeout);
+    }
+    if let Some(v) = &r.ca {
+        s.ca = Some(file(base, v.get_ref()));
+    }
+    if let Some(v) = &r.on_error {
+        match v.get_ref().as_str() {
+            "allow" => s.on_error = OnError::Allow,
+            "deny" => s.on_error = OnError::Deny,
+            other => d.err(
+                &v.span(),
+                format!("store.on_error: unknown value '{other}' (use \"allow\" or \"deny\")"),
+            ),
+        }
+    }
+    if let Some(v) = &r.clock {
+        match v.get_ref().as_str() {
+            "redis" => s.clock = ClockSource::Redis,
+            "local" => s.clock = ClockSource::Local,
+            other => d.err(
+                &v.span(),
+                format!("store.clock: unknown clock '{other}' (use \"redis\" or \"local\")"),
+            ),
+        }
+    }
+    if let Some(v) = &r.prefix {
+        s.prefix = v.get_ref().clone();
+    }
+    if let Some(v) = r.deny_cache {
+        s.deny_cache = v;
+    }
+    if let Some(v) = &r.max_keys {
+        if let Some(n) = positive(d, "store.max_keys", v) {
+            s.max_keys = n as usize;
+        }
+    }
+    s
+}
+
+fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -> Option<Upstream> {
+    let r = raw.get_ref();
+    let key = format!("upstream '{name}'");
+    let mut urls: Vec<&Spanned<String>> = Vec::new();
+    match (&r.url, &r.urls) {
+        (Some(u), None) => urls.push(u),
+        (None, Some(list)) if !list.is_empty() => urls.extend(list),
+        (Some(u), Some(_)) => {
+            d.err(&u.span(), format!("{key}: give either url or urls, not both"));
+            return None;
+        }
+        _ => {
+            d.err(&raw.span(), format!("{key}: needs url = \"http://host:port\" (or urls = [...])"));
+            return None;
+        }
+    }
+    let mut servers = Vec::new();
+    for u in urls {
+        match server_url(u.get_ref()) {
+            Ok(s) => servers.push(s),
+            Err(e) => d.err(&u.span(), format!("{key}: url '{}': {e}", u.get_ref())),
+        }
+    }
+    if servers.is_empty() {
+        return None;
+    }
+    Some(Upstream {
+        name: name.to_string(),
+        servers,
+        ca: r.ca.as_ref().map(|v| file(base, v.get_ref())),
+        pass_host: r.pass_host.unwrap_or(false),
+        next: Default::default(),
+    })
+}
+
+fn server_url(text: &str) -> Result<UpstreamServer, &'static str> {
+    let uri: http::Uri = text.parse().map_err(|_| "not a URL")?;
+    let scheme = uri.scheme().cloned().ok_or("needs http:// or https://")?;
+    if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
+        return Err("needs http:// or https://");
+    }
+    let authority = uri.authority().cloned().ok_or("needs a host")?;
+    if authority.as_str().contains('@') {
+        return Err("user info in an upstream URL is not supported");
+    }
+    if uri.query().is_some() {
+        return Err("an upstream URL cannot have a query");
+    }
+    let base_path = uri.path().trim_end_matches('/').to_string();
+    Ok(UpstreamServer {
+        scheme,
+        authority,
+        base_path,
+    })
+}
+
+fn key_specs(d: &mut Diag, key: &str, value: &Spanned<toml::Value>) -> Option<Vec<KeySpec>> {
+    let items: Vec<&toml::Value> = match value.get_ref() {
+        toml::Value::String(_) => vec![value.get_ref()],
+        toml::Value::Array(list) if !list.is_empty() => list.iter().collect(),
+        _ => {
+            d.err(&value.span(), format!("{key}: must be a key like \"ip\" or a list of them"));
+            return None;
+        }
+    };
+    let mut specs = Vec::new();
+    for item in items {
+        let Some(text) = item.as_str() else {
+            d.err(&value.span(), format!("{key}: must be a key like \"ip\" or a list of them"));
+            return None;
+        };
+        let spec = match text.split_once(':') {
+            None if text == "ip" => KeySpec::Ip,
+            None if text == "global" => KeySpec::Global,
+            Some(("header", name)) => match HeaderName::from_bytes(name.as_bytes()) {
+                Ok(h) => KeySpec::Header(h),
+                Err(_) => {
+                    d.err(&value.span(), format!("{key}: '{name}' is not a valid header name"));
+                    return None;
+                }
+            },
+            Some(("query", name)) if !name.is_empty() => KeySpec::Query(name.to_string()),
+            _ => {
+                d.err(
+                    &value.span(),
+                    format!("{key}: unknown key '{text}' (use \"ip\", \"header:NAME\", \"query:NAME\" or \"global\")"),
+                );
+                return None;
+            }
+        };
+        if specs.contains(&spec) {
+            d.err(&value.span(), format!("{key}: '{text}' is listed twice"));
+            return None;
+        }
+        specs.push(spec);
+    }
+    Some(specs)
+}
+
+fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> {
+    let r = raw.get_ref();
+    let key = format!("policy '{name}'");
+    let errors_before = d.errors.len();
+    let keys = match &r.key {
+        Some(v) => key_specs(d, &format!("{key}: key"), v).unwrap_or_default(),
+        None => vec![KeySpec::Ip],
+    };
+    let charge = match &r.charge {
+        None => Charge::Reserve,
+        Some(v) => match v.get_ref().as_str() {
+            "reserve" => Charge::Reserve,
+            "after" => Charge::After,
+            other => {
+                d.err(&v.span(), format!("{key}: charge: unknown value '{other}' (use \"reserve\" or \"after\")"));
+                Charge::Reserve
+            }
+        },
+    };
+    let mode = match &r.mode {
+        None => Mode::Enforce,
+        Some(v) => match v.get_ref().as_str() {
+            "enforce" => Mode::Enforce,
+            "shadow" => Mode::Shadow,
+            other => {
+                d.err(&v.span(), format!("{key}: mode: unknown value '{other}' (use \"enforce\" or \"shadow\")"));
+                Mode::Enforce
+            }
+        },
+    };
+    let mut refund = Vec::new();
+    match &r.refund {
+        None => refund.push(StatusCode::NOT_MODIFIED),
+        Some(list) => {
+            for v in list {
+                match u16::try_from(*v.get_ref()).ok().and_then(|c| StatusCode::from_u16(c).ok()) {
+                    Some(code) if (100..600).contains(&code.as_u16()) => refund.push(code),
+                    _ => d.err(&v.span(), format!("{key}: refund: {} is not an HTTP status", v.get_ref())),
+                }
+            }
+        }
+    }
+    if r.limits.get_ref().is_empty() {
+        d.err(&r.limits.span(), format!("{key}: limits: needs at least one limit"));
+    }
+    let mut limits: Vec<Limit> = Vec::new();
+    for (i, raw_limit) in r.limits.get_ref().iter().enumerate() {
+        let lkey = format!("{key}: limits[{i}]");
+        if let Some(l) = limit(d, &lkey, raw_limit, &keys) {
+            if let Some(j) = limits.iter().position(|o| o.id == l.id && o.keys == l.keys) {
+                d.err(&raw_limit.span(), format!("{lkey}: counts the same window as limits[{j}]; merge them"));
+            }
+            limits.push(l);
+        }
+    }
+    if d.errors.len() > errors_before {
+        return None;
+    }
+    Some(Policy {
+        name: name.to_string(),
+        charge,
+        refund,
+        mode,
+        limits,
+    })
+}
+
+fn limit(d: &mut Diag, key: &str, raw: &Spanned<RawLimit>, policy_keys: &[KeySpec]) -> Option<Limit> {
+    let r = raw.get_ref();
+    let limit = positive(d, &format!("{key}: limit"), &r.limit);
+    let window = duration_value(d, &format!("{key}: window"), &r.window);
+    let precision = match &r.precision {
+        Some(p) => Some((p, duration_value(d, &format!("{key}: precision"), p)?)),
+        None => None,
+    };
+    let name = r.algorithm.as_ref().map(|a| a.get_ref().as_str());
+    let algorithm = match (name, precision) {
+        (None | Some("sliding"), Some((p, precision))) => {
+            let window = window?;
+            if precision > window || window.as_millis() % precision.as_millis() != 0 {
+                d.err(
+                    &p.span(),
+                    format!(
+                        "{key}: precision '{}' does not divide window '{}'",
+                        p.get_ref(),
+                        r.window.get_ref()
+                    ),
+                );
+                return None;
+            }
+            if window.as_millis() / precision.as_millis() > 1000 {
+                d.err(&p.span(), format!("{key}: precision '{}' makes more than 1000 buckets", p.get_ref()));
+                return None;
+            }
+            Algorithm::Sliding { precision }
+        }
+        (Some("sliding"), None) => {
+            let a = r.algorithm.as_ref()?;
+            d.err(&a.span(), format!("{key}: algorithm \"sliding\" needs a precision, like precision = \"1m\""));
+            return None;
+        }
+        (None | Some("fixed"), None) => Algorithm::Fixed,
+        (Some("log"), None) => Algorithm::Log,
+        (Some("gcra"), None) => {
+            let burst = match &r.burst {
+                Some(b) => positive(d, &format!("{key}: burst"), b)?,
+                None => 1,
+            };
+            Algorithm::Gcra { burst }
+        }
+        (Some(other @ ("fixed" | "log" | "gcra")), Some((p, _))) => {
+            d.err(&p.span(), format!("{key}: precision applies only to sliding windows, not to \"{other}\""));
+            return None;
+        }
+        (Some(other), _) => {
+            let a = r.algorithm.as_ref()?;
+            d.err(
+                &a.span(),
+                format!("{key}: unknown algorithm '{other}' (use \"fixed\", \"sliding\", \"log\" or \"gcra\")"),
+            );
+            return None;
+        }
+    };
+    if let (Some(b), false) = (&r.burst, matches!(algorithm, Algorithm::Gcra { .. })) {
+        d.err(&b.span(), format!("{key}: burst applies only to algorithm \"gcra\""));
+        return None;
+    }
+    let keys = match &r.key {
+        Some(v) => key_specs(d, &format!("{key}: key"), v)?,
+        None => policy_keys.to_vec(),
+    };
+    let (limit, window) = (limit?, window?);
+    let mut id = format!("{}:{}", duration::format(window), algorithm.name());
+    if let Algorithm::Sliding { precision } = algorithm {
+        id += &format!(":{}", duration::format(precision));
+    }
+    Some(Limit {
+        limit,
+        window,
+        algorithm,
+        keys,
+        id,
+    })
+}
+
+fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Option<Route> {
+    let r = raw.get_ref();
+    let key = format!("routes[{i}]");
+    let errors_before = d.errors.len();
+    let path_text = r.path.get_ref();
+    let path = match path_text.strip_prefix('=') {
+        Some(exact) => PathMatch::Exact(exact.to_string()),
+        None => PathMatch::Prefix(path_text.clone()),
+    };
+    match &path {
+        PathMatch::Exact(p) | PathMatch::Prefix(p) if !p.starts_with('/') => {
+            d.err(&r.path.span(), format!("{key}: path '{path_text}' must start with '/' (or '=/' for an exact match)"));
+        }
+        _ => {}
+    }
+    let methods = r.methods.as_ref().map(|list| {
+        let mut methods = Vec::new();
+        for m in list {
+            let upper = m.get_ref().to_ascii_uppercase();
+            match Method::from_bytes(upper.as_bytes()) {
+                Ok(method) if !upper.is_empty() => methods.push(method),
+                _ => d.err(&m.span(), format!("{key}: methods: '{}' is not an HTTP method", m.get_ref())),
+            }
+        }
+        methods
+    });
+    let host = r.host.as_ref().map(|h| {
+        let host = h.get_ref().trim().to_ascii_lowercase();
+        if host.is_empty() || host.contains('/') {
+            d.err(&h.span(), format!("{key}: host '{}' is not a host name", h.get_ref()));
+        }
+        host
+    });
+    let target = match (&r.upstream, &r.respond) {
+        (Some(u), None) => match names.upstreams.get(u.get_ref()) {
+            Some(up) => Some(Target::Upstream(up.clone())),
+            None => {
+                if !names.declared_upstreams.contains(u.get_ref().as_str()) {
+                    d.err(&u.span(), format!("{key}: unknown upstream '{}'", u.get_ref()));
+                }
+                None
+            }
+        },
+        (None, Some(resp)) => {
+            let rr = resp.get_ref();
+            match u16::try_from(*rr.status.get_ref()).ok().and_then(|c| StatusCode::from_u16(c).ok()) {
+                Some(status) if (200..600).contains(&status.as_u16()) => Some(Target::Respond {
+                    status,
+                    body: Bytes::from(rr.body.clone()),
+                    content_type: rr
+                        .content_type
+                        .clone()
+                        .unwrap_or_else(|| "text/plain; charset=utf-8".to_string()),
+                }),
+                _ => {
+                    d.err(&rr.status.span(), format!("{key}: respond.status: {} is not a status from 200 to 599", rr.status.get_ref()));
+                    None
+                }
+            }
+        }
+        (Some(u), Some(_)) => {
+            d.err(&u.span(), format!("{key}: give either upstream or respond, not both"));
+            None
+        }
+        (None, None) => {
+            d.err(&raw.span(), format!("{key}: needs upstream = \"NAME\" or respond = {{ status = 200 }}"));
+            None
+        }
+    };
+    let policy = match &r.policy {
+        None => None,
+        Some(p) => match names.policies.get(p.get_ref()) {
+            Some(policy) => Some(policy.clone()),
+            None => {
+                if !names.declared_policies.contains(p.get_ref().as_str()) {
+                    d.err(&p.span(), format!("{key}: unknown policy '{}'", p.get_ref()));
+                }
+                return None;
+            }
+        },
+    };
+    let cost = match &r.cost {
+        Some(c) => positive(d, &format!("{key}: cost"), c)?,
+        None => 1,
+    };
+    if d.errors.len() > errors_before {
+        return None;
+    }
+    Some(Route {
+        name: r.name.as_ref().map_or_else(|| path_text.clone(), |n| n.get_ref().clone()),
+        path,
+        methods,
+        host,
+        target: target?,
+        policy,
+        cost,
+    })
+}

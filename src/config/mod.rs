@@ -1,0 +1,344 @@
+//! Configuration: reading the TOML file, checking it, and the compiled form the
+//! proxy runs on.
+//!
+//! - `raw.rs` mirrors the file (serde, unknown keys refused, spans kept);
+//! - `compile.rs` checks every value and resolves names, collecting one
+//!   `file:line: what` message per problem;
+//! - this file holds the compiled types, [`load`] and [`parse`], and the listing
+//!   `sluice check` prints.
+
+mod compile;
+pub mod duration;
+mod raw;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Method, StatusCode};
+use ipnet::IpNet;
+
+/// Why a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read the configuration: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    /// One line per problem, each `file:line: what is wrong`.
+    #[error("{}", .0.join("\n"))]
+    Invalid(Vec<String>),
+}
+
+/// A checked configuration, ready to serve.
+#[derive(Debug)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub headers: HeaderStyle,
+    pub upstreams: Vec<Arc<Upstream>>,
+    pub policies: Vec<Arc<Policy>>,
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// Worker threads; 0 means one per core.
+    pub workers: usize,
+    pub admin_listen: Option<SocketAddr>,
+    pub trusted_proxies: Vec<IpNet>,
+    pub upstream_timeout: Duration,
+    pub max_header_bytes: usize,
+    pub shutdown_timeout: Duration,
+    pub tls: Option<TlsFiles>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreConfig {
+    pub backend: Backend,
+    pub url: Option<String>,
+    pub cluster: Vec<String>,
+    pub timeout: Duration,
+    pub ca: Option<PathBuf>,
+    pub on_error: OnError,
+    pub clock: ClockSource,
+    pub prefix: String,
+    pub deny_cache: bool,
+    /// Memory store only: the most counters kept at once (bounds memory under a
+    /// flood of distinct identities).
+    pub max_keys: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Memory,
+    Redis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnError {
+    Allow,
+    Deny,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClockSource {
+    Redis,
+    Local,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderStyle {
+    XRateLimit,
+    Ietf,
+    Both,
+    None,
+}
+
+/// A named upstream: one or more servers used in turn.
+#[derive(Debug)]
+pub struct Upstream {
+    pub name: String,
+    pub servers: Vec<UpstreamServer>,
+    pub ca: Option<PathBuf>,
+    /// Send the client's `Host` upstream instead of the server's own authority.
+    pub pass_host: bool,
+    /// Round-robin position: runtime state, but one counter per upstream is all
+    /// balancing needs, and it lives and dies with this config.
+    pub next: std::sync::atomic::AtomicUsize,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpstreamServer {
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    /// A path the request path is appended to ("" for none).
+    pub base_path: String,
+}
+
+impl fmt::Display for UpstreamServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}{}", self.scheme, self.authority, self.base_path)
+    }
+}
+
+/// Who a limit counts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySpec {
+    Ip,
+    Header(HeaderName),
+    Query(String),
+    Global,
+}
+
+impl fmt::Display for KeySpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySpec::Ip => f.write_str("ip"),
+            KeySpec::Header(name) => write!(f, "header:{name}"),
+            KeySpec::Query(name) => write!(f, "query:{name}"),
+            KeySpec::Global => f.write_str("global"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    Fixed,
+    Sliding { precision: Duration },
+    Log,
+    Gcra { burst: u64 },
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Algorithm::Fixed => f.write_str("fixed"),
+            Algorithm::Sliding { precision } => {
+                write!(f, "sliding (precision {})", duration::format(*precision))
+            }
+            Algorithm::Log => f.write_str("log"),
+            Algorithm::Gcra { burst } => write!(f, "gcra (burst {burst})"),
+        }
+    }
+}
+
+impl Algorithm {
+    /// The short name used in keys, metrics and the usage API.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Algorithm::Fixed => "fixed",
+            Algorithm::Sliding { .. } => "sliding",
+            Algorithm::Log => "log",
+            Algorithm::Gcra { .. } => "gcra",
+        }
+    }
+}
+
+/// One limit of a policy: `limit` units per `window`, for each identity in `keys`.
+#[derive(Debug, Clone)]
+pub struct Limit {
+    pub limit: u64,
+    pub window: Duration,
+    pub algorithm: Algorithm,
+    pub keys: Vec<KeySpec>,
+    /// Stable name of this limit inside its policy, e.g. `1m:fixed`: counters are
+    /// stored under it, so reordering limits or reloading keeps them.
+    pub id: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Charge {
+    Reserve,
+    After,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Enforce,
+    Shadow,
+}
+
+#[derive(Debug)]
+pub struct Policy {
+    pub name: String,
+    pub charge: Charge,
+    pub refund: Vec<StatusCode>,
+    pub mode: Mode,
+    pub limits: Vec<Limit>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    Exact(String),
+    Prefix(String),
+}
+
+#[derive(Debug, Clone)]
+pub enum Target {
+    Upstream(Arc<Upstream>),
+    Respond {
+        status: StatusCode,
+        body: Bytes,
+        content_type: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// `name` from the file, or the path: what logs and metrics call it.
+    pub name: String,
+    pub path: PathMatch,
+    pub methods: Option<Vec<Method>>,
+    /// Lowercase, without a port.
+    pub host: Option<String>,
+    pub target: Target,
+    pub policy: Option<Arc<Policy>>,
+    pub cost: u64,
+}
+
+/// Reads and checks the file at `path`.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    parse(&text, &path.display().to_string(), base)
+}
+
+/// Checks configuration `text`; `name` is used in messages and relative file
+/// names in it are taken from `base`.
+pub fn parse(text: &str, name: &str, base: &Path) -> Result<Config, ConfigError> {
+    compile::compile(text, name, base)
+}
+
+impl fmt::Display for Config {
+    /// The listing printed by `sluice check`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.server;
+        writeln!(f, "server: listen {}, workers {}", s.listen, s.workers)?;
+        let store = match self.store.backend {
+            Backend::Memory => "memory".to_string(),
+            Backend::Redis => match &self.store.url {
+                Some(url) => format!("redis {}", redact(url)),
+                None => format!("redis cluster {}", self.store.cluster.len()),
+            },
+        };
+        writeln!(f, "store: {store}")?;
+        writeln!(f, "upstreams:")?;
+        for u in &self.upstreams {
+            let servers: Vec<String> = u.servers.iter().map(|s| s.to_string()).collect();
+            writeln!(f, "  {}: {}", u.name, servers.join(", "))?;
+        }
+        writeln!(f, "policies:")?;
+        for p in &self.policies {
+            writeln!(
+                f,
+                "  {}: charge {:?}, mode {:?}",
+                p.name,
+                p.charge,
+                p.mode
+            )?;
+            for l in &p.limits {
+                let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
+                writeln!(
+                    f,
+                    "    {} per {} by {}, {}",
+                    l.limit,
+                    duration::format(l.window),
+                    keys.join(" + "),
+                    l.algorithm
+                )?;
+            }
+        }
+        writeln!(f, "routes (in match order):")?;
+        for r in crate::router::Router::ordered(&self.routes) {
+            let path = match &r.path {
+                PathMatch::Exact(p) => format!("={p}"),
+                PathMatch::Prefix(p) => p.clone(),
+            };
+            let mut line = format!("  {path}");
+            if let Some(host) = &r.host {
+                line += &format!(" host {host}");
+            }
+            if let Some(methods) = &r.methods {
+                let m: Vec<&str> = methods.iter().map(|m| m.as_str()).collect();
+                line += &format!(" [{}]", m.join(","));
+            }
+            match &r.target {
+                Target::Upstream(u) => line += &format!(" -> {}", u.name),
+                Target::Respond { status, .. } => line += &format!(" -> respond {}", status.as_u16()),
+            }
+            if let Some(p) = &r.policy {
+                line += &format!(", policy {}", p.name);
+                if r.cost != 1 {
+                    line += &format!(" (cost {})", r.cost);
+                }
+            }
+            writeln!(f, "{line}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Hides a password in a store URL before it is printed or logged.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            format!("{}://***@{}", &url[..scheme_end], &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}

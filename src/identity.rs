@@ -1,0 +1,187 @@
+//! Who is asking: the client address, and the identity values limits count by.
+//!
+//! The client address is the TCP peer, unless the peer is a trusted proxy: then it
+//! is the rightmost `X-Forwarded-For` entry that is not itself trusted (entries to
+//! the left of it were written by the client and prove nothing).
+//!
+//! An identity is a key spec and a value. A header or query key whose value is
+//! missing or empty falls back to the client address, counted under the spec
+//! `ip`, so that a client sending `X-Api-Key: 203.0.113.9` shares nothing with the
+//! address 203.0.113.9.
+
+use std::net::IpAddr;
+
+use http::HeaderMap;
+use http::header::HeaderValue;
+use ipnet::IpNet;
+
+use crate::config::KeySpec;
+
+/// The client address for a request arriving from `peer`.
+pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &[IpNet]) -> IpAddr {
+    let peer = peer.to_canonical();
+    if !is_trusted(peer, trusted) {
+        return peer;
+    }
+    // Walk the hops right to left across every X-Forwarded-For line, in order.
+    let lines: Vec<&HeaderValue> = headers.get_all("x-forwarded-for").iter().collect();
+    for line in lines.iter().rev() {
+        let Ok(text) = line.to_str() else { return peer };
+        for hop in text.rsplit(',') {
+            let hop = hop.trim();
+            if hop.is_empty() {
+                continue;
+            }
+            let Some(ip) = parse_hop(hop) else { return peer };
+            if !is_trusted(ip, trusted) {
+                return ip;
+            }
+        }
+    }
+    peer
+}
+
+fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
+    trusted.iter().any(|net| net.contains(&ip))
+}
+
+/// An X-Forwarded-For hop: `1.2.3.4`, `1.2.3.4:5678`, `::1` or `[::1]:5678`.
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    if let Ok(ip) = hop.parse::<IpAddr>() {
+        return Some(ip.to_canonical());
+    }
+    if let Ok(sa) = hop.parse::<std::net::SocketAddr>() {
+        return Some(sa.ip().to_canonical());
+    }
+    None
+}
+
+/// The identity a key spec yields for one request: the spec it was counted
+/// under (after any fallback) and the value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub spec: KeySpec,
+    pub value: Vec<u8>,
+}
+
+/// The identity of `spec` for a request.
+pub fn identify(spec: &KeySpec, client: IpAddr, headers: &HeaderMap, query: Option<&str>) -> Identity {
+    let value = match spec {
+        KeySpec::Ip => None,
+        KeySpec::Global => {
+            return Identity {
+                spec: KeySpec::Global,
+                value: Vec::new(),
+            };
+        }
+        KeySpec::Header(name) => header_value(headers, name),
+        KeySpec::Query(name) => query.and_then(|q| query_value(q, name)),
+    };
+    match value {
+        Some(value) if !value.is_empty() => Identity {
+            spec: spec.clone(),
+            value,
+        },
+        _ => Identity {
+            spec: KeySpec::Ip,
+            value: client.to_string().into_bytes(),
+        },
+    }
+}
+
+/// All values of a header, joined with ", " as HTTP defines: a second copy of
+/// the header makes a different identity, never a fresh copy of the first.
+fn header_value(headers: &HeaderMap, name: &http::HeaderName) -> Option<Vec<u8>> {
+    let mut out: Option<Vec<u8>> = None;
+    for v in headers.get_all(name) {
+        match &mut out {
+            None => out = Some(v.as_bytes().to_vec()),
+            Some(buf) => {
+                buf.extend_from_slice(b", ");
+                buf.extend_from_slice(v.as_bytes());
+            }
+        }
+    }
+    out
+}
+
+/// All values of a query parameter, percent-decoded and joined with ", ".
+fn query_value(query: &str, name: &str) -> Option<Vec<u8>> {
+    let mut out: Option<Vec<u8>> = None;
+    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+        if k != name {
+            continue;
+        }
+        match &mut out {
+            None => out = Some(v.as_bytes().to_vec()),
+            Some(buf) => {
+                buf.extend_from_slice(b", ");
+                buf.extend_from_slice(v.as_bytes());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn xff(values: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append("x-forwarded-for", v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn untrusted_peer_cannot_spoof() {
+        let trusted = vec!["10.0.0.0/8".parse().unwrap()];
+        let h = xff(&["1.2.3.4"]);
+        assert_eq!(client_ip(ip("203.0.113.5"), &h, &trusted), ip("203.0.113.5"));
+    }
+
+    #[test]
+    fn trusted_peer_gives_rightmost_untrusted_hop() {
+        let trusted = vec!["10.0.0.0/8".parse().unwrap()];
+        let h = xff(&["6.6.6.6, 1.2.3.4", "10.0.0.2"]);
+        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("1.2.3.4"));
+        // All hops trusted: the leftmost is as far as we can see; here the peer.
+        let h = xff(&["10.1.1.1"]);
+        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("10.0.0.1"));
+        // Garbage ends the walk at the last address we can vouch for.
+        let h = xff(&["1.2.3.4, nonsense"]);
+        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("10.0.0.1"));
+        let h = xff(&["[2001:db8::1]:443"]);
+        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("2001:db8::1"));
+    }
+
+    #[test]
+    fn header_values_join_and_fall_back() {
+        let spec = KeySpec::Header(http::HeaderName::from_static("x-user"));
+        let client = ip("192.0.2.1");
+        let mut h = HeaderMap::new();
+        assert_eq!(identify(&spec, client, &h, None).spec, KeySpec::Ip);
+        h.append("x-user", "".parse().unwrap());
+        assert_eq!(identify(&spec, client, &h, None).spec, KeySpec::Ip);
+        let mut h = HeaderMap::new();
+        h.append("x-user", "a".parse().unwrap());
+        h.append("x-user", "b".parse().unwrap());
+        assert_eq!(identify(&spec, client, &h, None).value, b"a, b");
+    }
+
+    #[test]
+    fn query_values_decode() {
+        let spec = KeySpec::Query("key".to_string());
+        let client = ip("192.0.2.1");
+        let h = HeaderMap::new();
+        let id = identify(&spec, client, &h, Some("x=1&key=a%20b"));
+        assert_eq!(id.value, b"a b");
+        assert_eq!(identify(&spec, client, &h, Some("key=")).spec, KeySpec::Ip);
+    }
+}

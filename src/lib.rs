@@ -1,0 +1,25 @@
+//! sluice: a reverse proxy with built-in rate limiting.
+//!
+//! A map of the modules, in the order a request meets them:
+//!
+//! - [`server`]: accepts connections, HTTP/1.1 and HTTP/2, graceful shutdown;
+//!   [`server::run`] is the whole program minus the command line.
+//! - [`proxy`]: the phases of one request (match, identify, decide, forward,
+//!   settle, log) and the responses sluice makes itself.
+//! - [`router`]: which route a request belongs to.
+//! - [`identity`]: the client address and the identities limits count by.
+//! - [`limiter`]: policy → counters → verdict; the boundary stores plug into.
+//! - [`store`]: where counters live (memory).
+//! - [`config`]: the TOML file, checked, with `file:line` errors.
+//! - [`clock`]: unix milliseconds, movable in tests.
+
+pub mod clock;
+pub mod config;
+pub mod identity;
+pub mod limiter;
+pub mod proxy;
+pub mod router;
+pub mod server;
+pub mod store;
+
+pub use server::{Server, ServerError, run};

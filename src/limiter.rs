@@ -1,0 +1,206 @@
+//! The limiter: turns a policy and a request's identities into store counters,
+//! asks the store, and reads the answer as a verdict with the headers' numbers.
+//!
+//! It is the boundary the proxy sees: [`Limiter::decide`] before forwarding,
+//! [`Limiter::settle`] once the response status is known. Stores plug in below
+//! it without the proxy knowing which one answers.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use http::{HeaderMap, StatusCode};
+use sha2::{Digest, Sha256};
+
+use crate::clock::Clock;
+use crate::config::{Charge, Mode, Policy};
+use crate::identity::{self, Identity};
+use crate::store::{Counter, Store, StoreError};
+
+/// Identity values longer than this are stored as their SHA-256, so a client
+/// cannot make a counter's key, and the memory it takes, as large as it likes.
+const MAX_RAW_VALUE: usize = 64;
+
+pub struct Limiter {
+    store: Store,
+    clock: Clock,
+}
+
+/// The numbers the rate-limit headers show: the limit that binds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Binding {
+    pub limit: u64,
+    pub window_ms: u64,
+    pub remaining: u64,
+    pub reset_ms: u64,
+    /// Ms until a retry can pass; 0 when allowed.
+    pub retry_ms: u64,
+    /// Index of the limit in its policy.
+    pub index: usize,
+}
+
+/// What the limiter says about a request.
+pub enum Verdict {
+    /// Go on; settle the ticket once the response is known.
+    Allowed { binding: Binding, ticket: Ticket },
+    /// Rejected: answer 429 with these numbers.
+    Limited { binding: Binding },
+    /// A shadow policy would have rejected: go on (nothing was charged), but
+    /// say so in logs and metrics.
+    ShadowLimited { binding: Binding },
+}
+
+/// What [`Limiter::settle`] needs to give back or charge a request's units.
+pub struct Ticket {
+    policy: Arc<Policy>,
+    counters: Vec<Counter>,
+    marks: Vec<u64>,
+    cost: u64,
+}
+
+impl Limiter {
+    pub fn new(store: Store, clock: Clock) -> Limiter {
+        Limiter { store, clock }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Decides one request: every limit of the policy, for every identity, in
+    /// one store call. A rejection charges nothing.
+    pub async fn decide(
+        &self,
+        policy: &Arc<Policy>,
+        cost: u64,
+        client: IpAddr,
+        headers: &HeaderMap,
+        query: Option<&str>,
+    ) -> Result<Verdict, StoreError> {
+        let (counters, limit_of) = counters(policy, client, headers, query);
+        let charge = policy.charge == Charge::Reserve;
+        let now = self.clock.now_ms();
+        let outcome = self.store.acquire(&counters, cost, charge, now).await?;
+
+        let binding = |i: usize| {
+            let s = outcome.states[i];
+            let l = &policy.limits[limit_of[i]];
+            Binding {
+                limit: l.limit,
+                window_ms: l.window.as_millis() as u64,
+                remaining: if outcome.allowed { s.remaining } else { 0 },
+                reset_ms: s.reset_ms,
+                retry_ms: s.retry_ms,
+                index: limit_of[i],
+            }
+        };
+        let chosen = if outcome.allowed {
+            // The least remaining binds; on a tie the later reset.
+            (0..counters.len()).min_by_key(|&i| {
+                let s = outcome.states[i];
+                (s.remaining, std::cmp::Reverse(s.reset_ms))
+            })
+        } else {
+            // The denial that lasts longest: waiting for it is waiting for all.
+            (0..counters.len())
+                .filter(|&i| outcome.states[i].retry_ms > 0)
+                .max_by_key(|&i| (outcome.states[i].retry_ms, outcome.states[i].reset_ms))
+        };
+        // Policies have at least one limit, so there is always a counter.
+        let binding = chosen.map(binding).unwrap_or(Binding {
+            limit: 0,
+            window_ms: 0,
+            remaining: 0,
+            reset_ms: now,
+            retry_ms: 0,
+            index: 0,
+        });
+        let ticket = Ticket {
+            policy: policy.clone(),
+            counters,
+            marks: outcome.marks,
+            cost,
+        };
+        Ok(match (outcome.allowed, policy.mode) {
+            (true, _) => Verdict::Allowed { binding, ticket },
+            (false, Mode::Enforce) => Verdict::Limited { binding },
+            (false, Mode::Shadow) => Verdict::ShadowLimited { binding },
+        })
+    }
+
+    /// Settles a request once its status is known. `proxy_error` is set when
+    /// sluice itself answered 502/504 (the upstream never served it).
+    /// Returns whether units were given back.
+    pub async fn settle(
+        &self,
+        ticket: Ticket,
+        status: StatusCode,
+        proxy_error: bool,
+    ) -> Result<bool, StoreError> {
+        let free = proxy_error || ticket.policy.refund.contains(&status);
+        let now = self.clock.now_ms();
+        match ticket.policy.charge {
+            Charge::Reserve if free => {
+                self.store
+                    .refund(&ticket.counters, &ticket.marks, ticket.cost, now)
+                    .await?;
+                Ok(true)
+            }
+            Charge::After if !free => {
+                self.store.charge(&ticket.counters, ticket.cost, now).await?;
+                Ok(false)
+            }
+            _ => Ok(false),
+        }
+    }
+}
+
+/// The counters of one request, and for each the index of its limit.
+fn counters(
+    policy: &Policy,
+    client: IpAddr,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> (Vec<Counter>, Vec<usize>) {
+    let mut counters: Vec<Counter> = Vec::new();
+    let mut limit_of = Vec::new();
+    for (i, limit) in policy.limits.iter().enumerate() {
+        for spec in &limit.keys {
+            let id = identity::identify(spec, client, headers, query);
+            let key = counter_key(&policy.name, &limit.id, &id);
+            // Two specs can fall back to the same identity (both to the client
+            // address): count it once.
+            if counters.iter().any(|c| c.key == key) {
+                continue;
+            }
+            counters.push(Counter {
+                key,
+                limit: limit.limit,
+                window_ms: limit.window.as_millis() as u64,
+                algorithm: limit.algorithm,
+            });
+            limit_of.push(i);
+        }
+    }
+    (counters, limit_of)
+}
+
+/// An unambiguous key: the policy name is length-prefixed, the limit id and spec
+/// are sluice's own text, and the value comes last, raw (tag 0) or hashed (tag 1).
+pub fn counter_key(policy: &str, limit_id: &str, id: &Identity) -> Vec<u8> {
+    let spec = id.spec.to_string();
+    let mut key = Vec::with_capacity(policy.len() + limit_id.len() + spec.len() + 48);
+    key.extend_from_slice(&(policy.len() as u32).to_le_bytes());
+    key.extend_from_slice(policy.as_bytes());
+    key.extend_from_slice(limit_id.as_bytes());
+    key.push(0);
+    key.extend_from_slice(spec.as_bytes());
+    key.push(0);
+    if id.value.len() <= MAX_RAW_VALUE {
+        key.push(0);
+        key.extend_from_slice(&id.value);
+    } else {
+        key.push(1);
+        key.extend_from_slice(&Sha256::digest(&id.value));
+    }
+    key
+}

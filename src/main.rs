@@ -1,0 +1,107 @@
+//! The command line: `sluice [--config PATH]`, `sluice check`, `--version`.
+//! Everything else lives in the library.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "sluice", version, about = "A reverse proxy with built-in rate limiting")]
+struct Cli {
+    /// Configuration file.
+    #[arg(long, global = true, env = "SLUICE_CONFIG", default_value = "config.toml")]
+    config: PathBuf,
+    /// Log format on stderr (the RUST_LOG filter applies to both).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate the configuration, print the compiled routes and policies, exit 0/1.
+    Check,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    init_logs(cli.log_format);
+    let result = match cli.command {
+        Some(Command::Check) => check(&cli.config),
+        None => serve(&cli.config),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn check(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = sluice::config::load(path)?;
+    print!("{config}");
+    println!("{}: ok", path.display());
+    Ok(())
+}
+
+fn serve(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = sluice::config::load(path)?;
+    let workers = match config.server.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    runtime.block_on(async {
+        let addr = config.server.listen;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        tracing::info!(listen = %addr, workers, "sluice is serving");
+        sluice::run(listener, config, shutdown_signal()).await?;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers there is nothing to wait for but Ctrl-C.
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

@@ -1,0 +1,79 @@
+//! The answers sluice gives itself: each error knows its status and writes an
+//! RFC 9457 `application/problem+json` body.
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+
+use super::Body;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("no route matches this request")]
+    NoRoute,
+    #[error("malformed request: {0}")]
+    BadRequest(&'static str),
+    #[error("request headers are larger than {0} bytes")]
+    HeadersTooLarge(usize),
+    #[error("rate limit exceeded; retry in {retry_after} s")]
+    Limited { retry_after: u64 },
+    #[error("the rate-limit store is unavailable")]
+    StoreUnavailable,
+    #[error("the upstream could not be reached")]
+    UpstreamUnreachable,
+    #[error("the upstream did not answer within {0} ms")]
+    UpstreamTimeout(u128),
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::NoRoute => StatusCode::NOT_FOUND,
+            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ProxyError::Limited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// True for the errors that mean the upstream never served the request
+    /// (its reservation is given back).
+    pub fn is_upstream_failure(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::UpstreamUnreachable | ProxyError::UpstreamTimeout(_)
+        )
+    }
+
+    /// The problem+json response for this error.
+    pub fn response(&self) -> Response<Body> {
+        let status = self.status();
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": status.canonical_reason().unwrap_or("Error"),
+            "status": status.as_u16(),
+            "detail": self.to_string(),
+        });
+        let mut resp = Response::new(Body::Right(http_body_util::Full::new(Bytes::from(
+            body.to_string(),
+        ))));
+        *resp.status_mut() = status;
+        let headers = resp.headers_mut();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        match self {
+            ProxyError::Limited { retry_after } => {
+                headers.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
+            }
+            ProxyError::StoreUnavailable => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        resp
+    }
+}

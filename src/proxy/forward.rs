@@ -1,0 +1,115 @@
+//! Forwarding: rewriting a client request for the upstream and the upstream's
+//! response for the client.
+//!
+//! Hop-by-hop headers (RFC 9110 §7.6.1, and any named in `Connection`) are
+//! dropped both ways; `X-Forwarded-For` gets the peer appended,
+//! `X-Forwarded-Proto` and `X-Forwarded-Host` are set. The upstream sees its own
+//! authority in `Host` (as nginx's `proxy_pass` does) unless the upstream sets
+//! `pass_host = true`.
+
+use std::net::IpAddr;
+use std::sync::atomic::Ordering;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{PathAndQuery, Uri};
+use http::{Request, Version};
+use hyper::body::Incoming;
+
+use crate::config::{Upstream, UpstreamServer};
+
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// Removes hop-by-hop headers, including those `Connection` names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    headers.remove(header::UPGRADE);
+}
+
+/// The next server of an upstream, round robin.
+pub fn pick(upstream: &Upstream) -> &UpstreamServer {
+    let i = upstream.next.fetch_add(1, Ordering::Relaxed);
+    &upstream.servers[i % upstream.servers.len()]
+}
+
+/// Turns the client's request into the upstream's, in place of its parts.
+pub fn rewrite_request(
+    req: Request<Incoming>,
+    upstream: &Upstream,
+    server: &UpstreamServer,
+    peer: IpAddr,
+    host: Option<&HeaderValue>,
+    https: bool,
+) -> Result<Request<Incoming>, &'static str> {
+    let (mut parts, body) = req.into_parts();
+    let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
+    let pq = if server.base_path.is_empty() {
+        PathAndQuery::try_from(pq)
+    } else {
+        PathAndQuery::try_from(format!("{}{}", server.base_path, pq))
+    }
+    .map_err(|_| "bad request target")?;
+    parts.uri = Uri::builder()
+        .scheme(server.scheme.clone())
+        .authority(server.authority.clone())
+        .path_and_query(pq)
+        .build()
+        .map_err(|_| "bad request target")?;
+    parts.version = Version::HTTP_11;
+
+    let headers = &mut parts.headers;
+    strip_hop_by_hop(headers);
+    if let Some(host) = host {
+        headers.insert("x-forwarded-host", host.clone());
+    }
+    let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(prior) if headers.get_all("x-forwarded-for").iter().count() == 1 => {
+            format!("{prior}, {peer}")
+        }
+        _ => {
+            let mut all: Vec<&str> = headers
+                .get_all("x-forwarded-for")
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            let peer = peer.to_string();
+            all.push(&peer);
+            all.join(", ")
+        }
+    };
+    if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
+        headers.insert("x-forwarded-for", v);
+    }
+    headers.insert(
+        "x-forwarded-proto",
+        HeaderValue::from_static(if https { "https" } else { "http" }),
+    );
+    match (upstream.pass_host, host) {
+        (true, Some(host)) => {
+            headers.insert(header::HOST, host.clone());
+        }
+        _ => {
+            if let Ok(v) = HeaderValue::from_str(server.authority.as_str()) {
+                headers.insert(header::HOST, v);
+            }
+        }
+    }
+    Ok(Request::from_parts(parts, body))
+}

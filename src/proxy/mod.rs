@@ -1,0 +1,300 @@
+//! The request path. Every request passes the same phases, in order, with one
+//! [`RequestCtx`] carrying what each phase learns:
+//!
+//! 1. **match**: the route (404 if none), after the request's own checks (400, 431);
+//! 2. **identify**: the client address (trusted proxies considered);
+//! 3. **decide**: the limiter's verdict (429 ends the request here);
+//! 4. **forward**: to the upstream, or the route's own `respond`;
+//! 5. **settle**: refund or charge now that the status is known;
+//! 6. **log**: one access-log event.
+//!
+//! - `forward.rs`: request/response rewriting for the upstream;
+//! - `error.rs`: the errors sluice answers itself, as problem+json;
+//! - `ratelimit_headers.rs`: the `X-RateLimit-*` / IETF headers.
+
+mod error;
+mod forward;
+mod ratelimit_headers;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, Response, Version};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+pub use error::ProxyError;
+
+use crate::clock::Clock;
+use crate::config::{Config, OnError, Route, Target};
+use crate::identity;
+use crate::limiter::{Binding, Limiter, Ticket, Verdict};
+use crate::router::Router;
+use crate::store::StoreError;
+
+/// The body of every response sluice sends: the upstream's, streamed, or its own.
+pub type Body = Either<Incoming, Full<Bytes>>;
+
+/// What a config turns into at run time; replaced whole on reload.
+pub struct State {
+    pub config: Config,
+    router: Router,
+}
+
+impl State {
+    pub fn new(config: Config) -> State {
+        State {
+            router: Router::new(&config.routes),
+            config,
+        }
+    }
+}
+
+/// The proxy: the current state, the limiter and the upstream client.
+pub struct Proxy {
+    state: ArcSwap<State>,
+    limiter: Limiter,
+    client: Client<HttpConnector, Incoming>,
+    clock: Clock,
+    /// Set when sluice terminates TLS: the scheme of `X-Forwarded-Proto`.
+    https: bool,
+}
+
+/// What the phases of one request learn, for the later phases and the log.
+struct RequestCtx {
+    started: Instant,
+    route: Option<String>,
+    decision: &'static str,
+    upstream_time: Option<Duration>,
+}
+
+impl Proxy {
+    pub fn new(config: Config, limiter: Limiter, clock: Clock, https: bool) -> Proxy {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_keepalive(Some(Duration::from_secs(60)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Proxy {
+            state: ArcSwap::from_pointee(State::new(config)),
+            limiter,
+            client,
+            clock,
+            https,
+        }
+    }
+
+    pub fn state(&self) -> Arc<State> {
+        self.state.load_full()
+    }
+
+    /// Puts a new config in place for new requests; requests in flight finish
+    /// on the one they started with.
+    pub fn replace(&self, config: Config) {
+        self.state.store(Arc::new(State::new(config)));
+    }
+
+    pub fn limiter(&self) -> &Limiter {
+        &self.limiter
+    }
+
+    /// Serves one request from `peer`. Never fails: every error is a response.
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let state = self.state.load_full();
+        let mut ctx = RequestCtx {
+            started: Instant::now(),
+            route: None,
+            decision: "none",
+            upstream_time: None,
+        };
+        let method = req.method().clone();
+        // The access log never shows the query: it often carries credentials.
+        let path = req.uri().path().to_string();
+        let resp = match self.phases(&state, req, peer, &mut ctx).await {
+            Ok(resp) => resp,
+            Err(e) => e.response(),
+        };
+        tracing::info!(
+            target: "sluice::access",
+            method = %method,
+            path = %path,
+            route = ctx.route.as_deref().unwrap_or("-"),
+            status = resp.status().as_u16(),
+            decision = ctx.decision,
+            upstream_ms = ctx.upstream_time.map(|d| d.as_secs_f64() * 1000.0),
+            total_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
+        );
+        resp
+    }
+
+    async fn phases(
+        &self,
+        state: &State,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        ctx: &mut RequestCtx,
+    ) -> Result<Response<Body>, ProxyError> {
+        let config = &state.config;
+
+        // 1. match
+        let max = config.server.max_header_bytes;
+        if head_size(&req) > max {
+            return Err(ProxyError::HeadersTooLarge(max));
+        }
+        let host = request_host(&req)?;
+        let route = state
+            .router
+            .find(req.method(), host.as_ref().and_then(|h| h.to_str().ok()), req.uri().path())
+            .ok_or(ProxyError::NoRoute)?;
+        ctx.route = Some(route.name.clone());
+
+        // 2. identify
+        let client = identity::client_ip(peer.ip(), req.headers(), &config.server.trusted_proxies);
+
+        // 3. decide
+        let mut ticket: Option<Ticket> = None;
+        let mut binding: Option<Binding> = None;
+        if let Some(policy) = &route.policy {
+            let verdict = self
+                .limiter
+                .decide(policy, route.cost, client, req.headers(), req.uri().query())
+                .await;
+            match verdict {
+                Ok(Verdict::Allowed { binding: b, ticket: t }) => {
+                    ctx.decision = "allowed";
+                    binding = Some(b);
+                    ticket = Some(t);
+                }
+                Ok(Verdict::ShadowLimited { binding: b }) => {
+                    ctx.decision = "shadow-limited";
+                    tracing::info!(policy = %policy.name, client = %client, "shadow policy would have limited this request");
+                    binding = Some(b);
+                }
+                Ok(Verdict::Limited { binding: b }) => {
+                    ctx.decision = "limited";
+                    let mut resp = ProxyError::Limited {
+                        retry_after: b.retry_ms.div_ceil(1000).max(1),
+                    }
+                    .response();
+                    ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b, self.clock.now_ms());
+                    return Ok(resp);
+                }
+                Err(e) => {
+                    ctx.decision = "store-error";
+                    log_store_error(&e);
+                    if config.store.on_error == OnError::Deny {
+                        return Err(ProxyError::StoreUnavailable);
+                    }
+                }
+            }
+        }
+
+        // 4. forward
+        let outcome = self.forward(route, req, peer, host, ctx).await;
+
+        // 5. settle
+        let status = match &outcome {
+            Ok(resp) => resp.status(),
+            Err(e) => e.status(),
+        };
+        if let Some(ticket) = ticket {
+            let upstream_failed = outcome.as_ref().err().is_some_and(ProxyError::is_upstream_failure);
+            if let Err(e) = self.limiter.settle(ticket, status, upstream_failed).await {
+                log_store_error(&e);
+            }
+        }
+        let mut resp = outcome?;
+        if let (Some(b), Some(policy)) = (binding, &route.policy) {
+            ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b, self.clock.now_ms());
+        }
+        Ok(resp)
+    }
+
+    async fn forward(
+        &self,
+        route: &Route,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        host: Option<HeaderValue>,
+        ctx: &mut RequestCtx,
+    ) -> Result<Response<Body>, ProxyError> {
+        let upstream = match &route.target {
+            Target::Respond {
+                status,
+                body,
+                content_type,
+            } => {
+                let mut resp = Response::new(Either::Right(Full::new(body.clone())));
+                *resp.status_mut() = *status;
+                if let Ok(v) = HeaderValue::from_str(content_type) {
+                    resp.headers_mut().insert(header::CONTENT_TYPE, v);
+                }
+                return Ok(resp);
+            }
+            Target::Upstream(upstream) => upstream,
+        };
+        let server = forward::pick(upstream);
+        let req = forward::rewrite_request(req, upstream, server, peer.ip(), host.as_ref(), self.https)
+            .map_err(ProxyError::BadRequest)?;
+        let timeout = self.state.load().config.server.upstream_timeout;
+        let sent = Instant::now();
+        let result = tokio::time::timeout(timeout, self.client.request(req)).await;
+        ctx.upstream_time = Some(sent.elapsed());
+        let mut resp = match result {
+            Err(_) => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
+            Ok(Err(e)) => {
+                tracing::warn!(upstream = %upstream.name, server = %server, error = %e, "upstream request failed");
+                return Err(ProxyError::UpstreamUnreachable);
+            }
+            Ok(Ok(resp)) => resp,
+        };
+        forward::strip_hop_by_hop(resp.headers_mut());
+        Ok(resp.map(Either::Left))
+    }
+}
+
+/// The request's host: the `Host` header, or for HTTP/2 the `:authority`.
+/// HTTP/1.1 requires one (RFC 9112 §3.2).
+fn request_host(req: &Request<Incoming>) -> Result<Option<HeaderValue>, ProxyError> {
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (Some(_), Some(_)) => Err(ProxyError::BadRequest("more than one Host header")),
+        (Some(h), None) => Ok(Some(h.clone())),
+        (None, _) => match req.uri().authority() {
+            Some(a) => Ok(HeaderValue::from_str(a.as_str()).ok()),
+            None if req.version() == Version::HTTP_11 => {
+                Err(ProxyError::BadRequest("HTTP/1.1 request without Host"))
+            }
+            None => Ok(None),
+        },
+    }
+}
+
+/// The size of the request head as the client sent it, near enough.
+fn head_size<B>(req: &Request<B>) -> usize {
+    let uri = req.uri();
+    let target = uri.path_and_query().map_or(1, |p| p.as_str().len())
+        + uri.authority().map_or(0, |a| a.as_str().len());
+    let line = req.method().as_str().len() + target + 12;
+    req.headers()
+        .iter()
+        .fold(line, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+}
+
+/// Logs store failures at most once a second, so an outage cannot flood the log.
+fn log_store_error(e: &StoreError) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = Clock::system().now_ms() / 1000;
+    if LAST.swap(now, Ordering::Relaxed) != now {
+        tracing::warn!(error = %e, "rate-limit store call failed");
+    }
+}

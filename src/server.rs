@@ -1,0 +1,150 @@
+//! The listener: accepts connections, serves HTTP/1.1 and HTTP/2 (prior
+//! knowledge) on the same port, and drains gracefully on shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+
+use crate::clock::Clock;
+use crate::config::{Backend, Config};
+use crate::limiter::Limiter;
+use crate::proxy::Proxy;
+use crate::store::memory::MemoryStore;
+use crate::store::Store;
+
+/// Why the server could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("store backend \"redis\" is not available in this build yet")]
+    BackendUnavailable,
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+}
+
+/// A configured server, not yet running: tests reach its proxy and clock.
+pub struct Server {
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    clock: Clock,
+}
+
+impl Server {
+    pub fn new(listener: TcpListener, config: Config) -> Result<Server, ServerError> {
+        Server::with_clock(listener, config, Clock::system())
+    }
+
+    /// A server on `clock` (tests move it instead of sleeping).
+    pub fn with_clock(listener: TcpListener, config: Config, clock: Clock) -> Result<Server, ServerError> {
+        let store = match config.store.backend {
+            Backend::Memory => Store::Memory(MemoryStore::new(config.store.max_keys)),
+            Backend::Redis => return Err(ServerError::BackendUnavailable),
+        };
+        let limiter = Limiter::new(store, clock.clone());
+        let proxy = Arc::new(Proxy::new(config, limiter, clock.clone(), false));
+        Ok(Server {
+            listener,
+            proxy,
+            clock,
+        })
+    }
+
+    pub fn proxy(&self) -> Arc<Proxy> {
+        self.proxy.clone()
+    }
+
+    /// Serves until `shutdown` completes, then stops accepting and gives
+    /// requests in flight up to `server.shutdown_timeout` to finish.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let Server {
+            listener,
+            proxy,
+            clock,
+        } = self;
+        let sweeper = tokio::spawn(sweep(proxy.clone(), clock));
+        let graceful = GracefulShutdown::new();
+        let builder = connection_builder(&proxy.state().config);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let (stream, peer) = match accepted {
+                        Ok(conn) => conn,
+                        Err(e) => {
+                            // Out of file descriptors and the like: wait a moment
+                            // rather than spin.
+                            tracing::warn!(error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            continue;
+                        }
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let proxy = proxy.clone();
+                    let service = service_fn(move |req| {
+                        let proxy = proxy.clone();
+                        async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
+                    });
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    let conn = graceful.watch(conn.into_owned());
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+                        }
+                    });
+                }
+                _ = &mut shutdown => break,
+            }
+        }
+        drop(listener);
+        let timeout = proxy.state().config.server.shutdown_timeout;
+        tracing::info!("shutting down: draining requests in flight");
+        if tokio::time::timeout(timeout, graceful.shutdown()).await.is_err() {
+            tracing::warn!("shutdown timeout reached; closing remaining connections");
+        }
+        sweeper.abort();
+    }
+}
+
+/// Runs sluice on `listener` with `config` until `shutdown` completes.
+pub async fn run(listener: TcpListener, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+    Server::new(listener, config)?.run(shutdown).await;
+    Ok(())
+}
+
+fn connection_builder(config: &Config) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Our own check answers 431 with a problem+json body; hyper's buffer only
+    // needs room for a head of that size, plus slack for the request line.
+    let max = config.server.max_header_bytes;
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        .max_buf_size((max + 16 * 1024).max(8192));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(max as u32);
+    builder
+}
+
+/// Drops the memory store's expired counters now and then.
+async fn sweep(proxy: Arc<Proxy>, clock: Clock) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        #[allow(irrefutable_let_patterns)]
+        if let Store::Memory(m) = proxy.limiter().store() {
+            m.sweep(clock.now_ms());
+        }
+    }
+}

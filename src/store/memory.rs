@@ -1,0 +1,348 @@
+//! The memory store: counters in this process, behind one mutex.
+//!
+//! One lock keeps a multi-counter decision all-or-nothing with no lock
+//! ordering to get wrong; the work inside it is a few hash lookups. Memory is
+//! bounded twice: entries past their expiry are swept, and at `max_keys`
+//! entries the expired ones go first, then an arbitrary sixteenth of the rest
+//! (those identities start afresh: under such a flood, forgetting a few
+//! counters beats running out of memory).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use super::{Counter, CounterState, Outcome};
+use crate::config::Algorithm;
+
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+    max_keys: usize,
+}
+
+struct Inner {
+    map: HashMap<Vec<u8>, Entry>,
+    /// Source of `log` marks: a refund removes exactly the entry it added.
+    next_id: u64,
+}
+
+struct Entry {
+    state: State,
+    /// Unix ms after which the entry holds nothing that counts.
+    expires_ms: u64,
+}
+
+enum State {
+    Fixed { start: u64, count: u64 },
+    /// (bucket index, units), oldest first.
+    Sliding { buckets: VecDeque<(u64, u64)> },
+    /// (time ms, units, id), oldest first.
+    Log { entries: VecDeque<(u64, u64, u64)> },
+    /// Theoretical arrival time, unix µs.
+    Gcra { tat_us: u64 },
+}
+
+impl MemoryStore {
+    pub fn new(max_keys: usize) -> MemoryStore {
+        MemoryStore {
+            inner: Mutex::new(Inner {
+                map: HashMap::new(),
+                next_id: 1,
+            }),
+            max_keys: max_keys.max(1),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave a counter half-written
+        // (each update is one assignment), so a poisoned lock is still usable.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn acquire(&self, counters: &[Counter], cost: u64, charge: bool, now: u64) -> Outcome {
+        let mut inner = self.lock();
+        let mut states = Vec::with_capacity(counters.len());
+        let mut allowed = true;
+        for c in counters {
+            let state = inner.map.get(&c.key).filter(|e| e.expires_ms > now);
+            let s = check(state.map(|e| &e.state), c, cost, now);
+            allowed &= s.retry_ms == 0;
+            states.push(s);
+        }
+        let mut marks = vec![0; counters.len()];
+        if allowed && charge {
+            for (c, mark) in counters.iter().zip(marks.iter_mut()) {
+                *mark = self.add(&mut inner, c, cost, now);
+            }
+        }
+        Outcome {
+            allowed,
+            states,
+            marks,
+        }
+    }
+
+    pub fn charge(&self, counters: &[Counter], cost: u64, now: u64) {
+        let mut inner = self.lock();
+        for c in counters {
+            self.add(&mut inner, c, cost, now);
+        }
+    }
+
+    pub fn refund(&self, counters: &[Counter], marks: &[u64], cost: u64, now: u64) {
+        let mut inner = self.lock();
+        for (c, &mark) in counters.iter().zip(marks) {
+            if let Some(e) = inner.map.get_mut(&c.key).filter(|e| e.expires_ms > now) {
+                give_back(&mut e.state, c, mark, cost, now);
+            }
+        }
+    }
+
+    /// Drops expired entries; the server calls it now and then.
+    pub fn sweep(&self, now: u64) {
+        self.lock().map.retain(|_, e| e.expires_ms > now);
+    }
+
+    /// How many counters are held (for tests and metrics).
+    pub fn len(&self) -> usize {
+        self.lock().map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Adds `cost` units to a counter; returns the mark a refund needs.
+    fn add(&self, inner: &mut Inner, c: &Counter, cost: u64, now: u64) -> u64 {
+        if !inner.map.contains_key(&c.key) && inner.map.len() >= self.max_keys {
+            make_room(&mut inner.map, self.max_keys, now);
+        }
+        let id = inner.next_id;
+        inner.next_id += 1;
+        let entry = inner.map.entry(c.key.clone()).or_insert_with(|| Entry {
+            state: empty(c.algorithm),
+            expires_ms: 0,
+        });
+        if entry.expires_ms <= now {
+            entry.state = empty(c.algorithm);
+        }
+        let mark = charge(&mut entry.state, c, cost, now, id);
+        entry.expires_ms = expiry(&entry.state, c);
+        mark
+    }
+}
+
+fn make_room(map: &mut HashMap<Vec<u8>, Entry>, max: usize, now: u64) {
+    map.retain(|_, e| e.expires_ms > now);
+    if map.len() >= max {
+        let evict: Vec<Vec<u8>> = map.keys().take((max / 16).max(1)).cloned().collect();
+        for k in evict {
+            map.remove(&k);
+        }
+    }
+}
+
+fn empty(algorithm: Algorithm) -> State {
+    match algorithm {
+        Algorithm::Fixed => State::Fixed { start: 0, count: 0 },
+        Algorithm::Sliding { .. } => State::Sliding {
+            buckets: VecDeque::new(),
+        },
+        Algorithm::Log => State::Log {
+            entries: VecDeque::new(),
+        },
+        Algorithm::Gcra { .. } => State::Gcra { tat_us: 0 },
+    }
+}
+
+/// Sliding window geometry: (precision ms, buckets per window, current bucket).
+fn buckets(c: &Counter, precision_ms: u64, now: u64) -> (u64, u64, u64) {
+    (precision_ms, c.window_ms / precision_ms, now / precision_ms)
+}
+
+/// GCRA geometry in µs: (emission interval, burst capacity).
+fn gcra(c: &Counter, burst: u64) -> (u64, u64) {
+    let t = (c.window_ms * 1000 / c.limit).max(1);
+    (t, t.saturating_mul(burst))
+}
+
+/// Where a counter stands for a request of `cost` units, without changing it.
+fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterState {
+    match (c.algorithm, state) {
+        (Algorithm::Fixed, state) => {
+            let start = now - now % c.window_ms;
+            let count = match state {
+                Some(State::Fixed { start: s, count }) if *s == start => *count,
+                _ => 0,
+            };
+            let reset_ms = start + c.window_ms;
+            verdict(c.limit, count, cost, reset_ms, || reset_ms - now)
+        }
+        (Algorithm::Sliding { precision }, state) => {
+            let (p, n, b) = buckets(c, precision.as_millis() as u64, now);
+            let live: Vec<(u64, u64)> = match state {
+                Some(State::Sliding { buckets }) => {
+                    buckets.iter().copied().filter(|(i, _)| i + n > b).collect()
+                }
+                _ => Vec::new(),
+            };
+            let used: u64 = live.iter().map(|(_, u)| u).sum();
+            let oldest = live.first().map_or(b, |(i, _)| *i).min(b);
+            let reset_ms = (oldest + n) * p;
+            verdict(c.limit, used, cost, reset_ms, || {
+                free_after(live.iter().map(|&(i, u)| ((i + n) * p, u)), used + cost - c.limit)
+                    .map_or(c.window_ms, |t| t - now)
+            })
+        }
+        (Algorithm::Log, state) => {
+            let live: Vec<(u64, u64)> = match state {
+                Some(State::Log { entries }) => entries
+                    .iter()
+                    .filter(|(t, _, _)| t + c.window_ms > now)
+                    .map(|&(t, u, _)| (t, u))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            let used: u64 = live.iter().map(|(_, u)| u).sum();
+            let reset_ms = live.first().map_or(now, |(t, _)| *t) + c.window_ms;
+            verdict(c.limit, used, cost, reset_ms, || {
+                free_after(live.iter().map(|&(t, u)| (t + c.window_ms, u)), used + cost - c.limit)
+                    .map_or(c.window_ms, |t| t - now)
+            })
+        }
+        (Algorithm::Gcra { burst }, state) => {
+            let (t, cap) = gcra(c, burst);
+            let now_us = now * 1000;
+            let tat = match state {
+                Some(State::Gcra { tat_us }) => (*tat_us).max(now_us),
+                _ => now_us,
+            };
+            let new_tat = tat + cost * t;
+            if new_tat - now_us <= cap {
+                CounterState {
+                    remaining: (cap - (new_tat - now_us)) / t,
+                    reset_ms: new_tat.div_ceil(1000),
+                    retry_ms: 0,
+                }
+            } else {
+                let wait_us = if cost * t > cap {
+                    c.window_ms * 1000
+                } else {
+                    new_tat - cap - now_us
+                };
+                CounterState {
+                    remaining: cap.saturating_sub(tat - now_us) / t,
+                    reset_ms: tat.div_ceil(1000),
+                    retry_ms: wait_us.div_ceil(1000).max(1),
+                }
+            }
+        }
+    }
+}
+
+/// A counting algorithm's verdict: `used` units already taken of `limit`.
+fn verdict(limit: u64, used: u64, cost: u64, reset_ms: u64, retry: impl FnOnce() -> u64) -> CounterState {
+    if used + cost <= limit {
+        CounterState {
+            remaining: limit - used - cost,
+            reset_ms,
+            retry_ms: 0,
+        }
+    } else {
+        CounterState {
+            remaining: limit.saturating_sub(used),
+            reset_ms,
+            retry_ms: retry().max(1),
+        }
+    }
+}
+
+/// The first time (unix ms) at which `need` units have been freed, given
+/// (time freed, units) pairs in time order; `None` if they never are.
+fn free_after(frees: impl Iterator<Item = (u64, u64)>, need: u64) -> Option<u64> {
+    let mut freed = 0;
+    for (at, units) in frees {
+        freed += units;
+        if freed >= need {
+            return Some(at);
+        }
+    }
+    None
+}
+
+/// Adds `cost` units; returns the refund mark.
+fn charge(state: &mut State, c: &Counter, cost: u64, now: u64, id: u64) -> u64 {
+    match (state, c.algorithm) {
+        (State::Fixed { start, count }, _) => {
+            let current = now - now % c.window_ms;
+            if *start != current {
+                *start = current;
+                *count = 0;
+            }
+            *count += cost;
+            current
+        }
+        (State::Sliding { buckets: list }, Algorithm::Sliding { precision }) => {
+            let (_, n, b) = buckets(c, precision.as_millis() as u64, now);
+            while list.front().is_some_and(|(i, _)| i + n <= b) {
+                list.pop_front();
+            }
+            match list.back_mut() {
+                Some((i, units)) if *i == b => *units += cost,
+                _ => list.push_back((b, cost)),
+            }
+            b
+        }
+        (State::Log { entries }, _) => {
+            while entries.front().is_some_and(|(t, _, _)| t + c.window_ms <= now) {
+                entries.pop_front();
+            }
+            entries.push_back((now, cost, id));
+            id
+        }
+        (State::Gcra { tat_us }, Algorithm::Gcra { burst }) => {
+            let (t, _) = gcra(c, burst);
+            *tat_us = (*tat_us).max(now * 1000) + cost * t;
+            0
+        }
+        // The algorithm of a counter changed under its key (a reload); start anew.
+        (state, _) => {
+            *state = empty(c.algorithm);
+            charge(state, c, cost, now, id)
+        }
+    }
+}
+
+fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
+    match (state, c.algorithm) {
+        (State::Fixed { start, count }, Algorithm::Fixed) if *start == mark => {
+            *count = count.saturating_sub(cost);
+        }
+        (State::Sliding { buckets }, Algorithm::Sliding { .. }) => {
+            if let Some((_, units)) = buckets.iter_mut().find(|(i, _)| *i == mark) {
+                *units = units.saturating_sub(cost);
+            }
+        }
+        (State::Log { entries }, Algorithm::Log) => {
+            if let Some(pos) = entries.iter().position(|&(t, _, id)| id == mark && t + c.window_ms > now) {
+                entries.remove(pos);
+            }
+        }
+        (State::Gcra { tat_us }, Algorithm::Gcra { burst }) => {
+            let (t, _) = gcra(c, burst);
+            *tat_us = tat_us.saturating_sub(cost * t).max(now * 1000);
+        }
+        _ => {}
+    }
+}
+
+fn expiry(state: &State, c: &Counter) -> u64 {
+    match (state, c.algorithm) {
+        (State::Fixed { start, .. }, _) => start + c.window_ms,
+        (State::Sliding { buckets }, Algorithm::Sliding { precision }) => {
+            let p = precision.as_millis() as u64;
+            buckets.back().map_or(0, |(i, _)| (i + c.window_ms / p) * p)
+        }
+        (State::Log { entries }, _) => entries.back().map_or(0, |(t, _, _)| t + c.window_ms),
+        (State::Gcra { tat_us }, _) => tat_us.div_ceil(1000),
+        _ => 0,
+    }
+}

@@ -1,0 +1,108 @@
+//! Stores: where counters live. The limiter asks a store to check (and charge)
+//! several counters at once, all-or-nothing, and later to refund or charge.
+//!
+//! - `memory.rs`: in this process only; the default, no Redis needed.
+//!
+//! Every store implements the same four algorithms with the same results, so a
+//! policy behaves the same whatever it is stored in. What the algorithms mean:
+//!
+//! - `fixed`: a counter per window; windows are aligned to the unix epoch.
+//! - `sliding`: `window / precision` buckets; the buckets of the last `window`
+//!   (the current one included) are summed.
+//! - `log`: every charged unit is remembered with its time; units younger than
+//!   `window` are counted.
+//! - `gcra`: a theoretical arrival time (TAT) that moves `window / limit` per unit;
+//!   a request passes if the TAT stays within `burst` units of now.
+
+pub mod memory;
+
+use crate::config::Algorithm;
+
+/// One counter a decision touches: a limit of a policy for one identity.
+#[derive(Debug, Clone)]
+pub struct Counter {
+    /// Unique among all counters (the limiter builds it from policy, limit and
+    /// identity); the store adds its own prefix.
+    pub key: Vec<u8>,
+    pub limit: u64,
+    pub window_ms: u64,
+    pub algorithm: Algorithm,
+}
+
+/// Where one counter stands after a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CounterState {
+    /// Units left after this request (as if charged, when only checking).
+    pub remaining: u64,
+    /// Unix ms when this counter next gives units back.
+    pub reset_ms: u64,
+    /// When it denied: ms until the same request would pass; 0 when it allowed.
+    pub retry_ms: u64,
+}
+
+/// The answer to [`Store::acquire`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub allowed: bool,
+    /// One per counter, in order.
+    pub states: Vec<CounterState>,
+    /// One per counter: which bucket was charged, so a refund hits the same one.
+    pub marks: Vec<u64>,
+}
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store call timed out")]
+    Timeout,
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// The configured store.
+pub enum Store {
+    Memory(memory::MemoryStore),
+}
+
+impl Store {
+    /// Checks every counter for `cost` units and, when all pass and `charge` is
+    /// set, charges them all. `now_ms` is the proxy's clock.
+    pub async fn acquire(
+        &self,
+        counters: &[Counter],
+        cost: u64,
+        charge: bool,
+        now_ms: u64,
+    ) -> Result<Outcome, StoreError> {
+        match self {
+            Store::Memory(m) => Ok(m.acquire(counters, cost, charge, now_ms)),
+        }
+    }
+
+    /// Gives back what [`Store::acquire`] charged, bucket by bucket; units whose
+    /// bucket has left the window are not given back.
+    pub async fn refund(
+        &self,
+        counters: &[Counter],
+        marks: &[u64],
+        cost: u64,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.refund(counters, marks, cost, now_ms);
+                Ok(())
+            }
+        }
+    }
+
+    /// Charges without checking (for `charge = "after"`, once the response is known).
+    pub async fn charge(&self, counters: &[Counter], cost: u64, now_ms: u64) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.charge(counters, cost, now_ms);
+                Ok(())
+            }
+        }
+    }
+}
