@@ -2,7 +2,7 @@
 //! RFC 9457 `application/problem+json` body.
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use http::header::{CONNECTION, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use super::Body;
@@ -71,6 +71,10 @@ impl ProxyError {
             }
             ProxyError::StoreUnavailable => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            // After a malformed request the connection's framing cannot be trusted.
+            ProxyError::BadRequest(_) => {
+                headers.insert(CONNECTION, HeaderValue::from_static("close"));
             }
             _ => {}
         }

@@ -250,6 +250,9 @@ impl Proxy {
         ctx.upstream_time = Some(sent.elapsed());
         let mut resp = match result {
             Err(_) => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
+            Ok(Err(e)) if client_body_failed(&e) => {
+                return Err(ProxyError::BadRequest("the request body was malformed or cut off"));
+            }
             Ok(Err(e)) => {
                 tracing::warn!(upstream = %upstream.name, server = %server, error = %e, "upstream request failed");
                 return Err(ProxyError::UpstreamUnreachable);
@@ -276,6 +279,19 @@ fn request_host(req: &Request<Incoming>) -> Result<Option<HeaderValue>, ProxyErr
             None => Ok(None),
         },
     }
+}
+
+/// True when an upstream call failed because the client's own body did (bad
+/// chunked encoding, a client that went away mid-upload): the client's fault.
+fn client_body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        if c.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_user) {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The size of the request head as the client sent it, near enough.

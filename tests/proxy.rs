@@ -1,0 +1,244 @@
+//! The request path: forwarding, the errors sluice answers itself, client
+//! identity, HTTP/2. Real upstream, real client, sluice in-process.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use http::{Request, StatusCode};
+use support::*;
+
+async fn config(upstream: &str) -> String {
+    format!(
+        r#"
+[server]
+upstream_timeout = "300ms"
+max_header_bytes = 4096
+trusted_proxies = ["127.0.0.1"]
+
+[upstreams.api]
+url = "{upstream}"
+
+[upstreams.dead]
+url = "http://{dead}"
+
+[upstreams.based]
+url = "{upstream}/base/"
+
+[[routes]]
+path = "/"
+upstream = "api"
+
+[[routes]]
+path = "/dead"
+upstream = "dead"
+
+[[routes]]
+path = "/based"
+upstream = "based"
+
+[[routes]]
+path = "=/ping"
+methods = ["GET"]
+respond = {{ status = 200, body = "pong" }}
+
+[[routes]]
+path = "/hosted"
+host = "api.example.com"
+respond = {{ status = 200, body = "hosted" }}
+"#,
+        dead = dead_port().await
+    )
+}
+
+async fn setup() -> (Upstream, Sluice) {
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&config(&up.url()).await).await;
+    (up, sluice)
+}
+
+#[tokio::test]
+async fn forwards_method_path_query_and_headers() {
+    let (_up, sluice) = setup().await;
+    let req = Request::post(sluice.url("/items/7?sort=asc&q=a%20b"))
+        .header("x-custom", "one")
+        .header("connection", "keep-alive, x-secret")
+        .header("x-secret", "hop")
+        .header("keep-alive", "timeout=5")
+        .header("proxy-authorization", "Basic Zm9v")
+        .header("x-forwarded-for", "198.51.100.7")
+        .body(empty())
+        .unwrap();
+    let reply = send(&client(), req).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let echo = reply.json();
+    assert_eq!(echo["method"], "POST");
+    assert_eq!(echo["uri"], "/items/7?sort=asc&q=a%20b");
+    let h = &echo["headers"];
+    assert_eq!(h["x-custom"][0], "one");
+    for hop in ["x-secret", "keep-alive", "proxy-authorization", "connection"] {
+        assert!(h.get(hop).is_none(), "{hop} was forwarded: {h}");
+    }
+    assert_eq!(h["x-forwarded-for"][0], "198.51.100.7, 127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"][0], "http");
+    assert_eq!(h["x-forwarded-host"][0], sluice.addr.to_string());
+    // The upstream sees its own authority, as with nginx's proxy_pass.
+    assert_eq!(h["host"][0], _up.addr.to_string());
+}
+
+#[tokio::test]
+async fn upstream_base_path_is_prepended() {
+    let (_up, sluice) = setup().await;
+    let reply = get(&sluice.url("/based/x?y=1"), &[]).await;
+    assert_eq!(reply.json()["uri"], "/base/based/x?y=1");
+}
+
+#[tokio::test]
+async fn strips_hop_by_hop_headers_from_responses() {
+    let (_up, sluice) = setup().await;
+    let reply = get(&sluice.url("/status/201"), &[]).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(reply.header("x-upstream"), Some("yes"));
+    assert!(reply.header("keep-alive").is_none());
+}
+
+#[tokio::test]
+async fn routes_by_specificity_method_and_host() {
+    let (_up, sluice) = setup().await;
+    let ping = get(&sluice.url("/ping"), &[]).await;
+    assert_eq!(&ping.body[..], b"pong");
+    // POST /ping does not match the GET-only route: it falls to the prefix "/".
+    let c = client();
+    let post = send(&c, Request::post(sluice.url("/ping")).body(empty()).unwrap()).await;
+    assert_eq!(post.json()["method"], "POST");
+    let hosted = get(&sluice.url("/hosted"), &[("host", "API.example.com:8080")]).await;
+    assert_eq!(&hosted.body[..], b"hosted");
+    let other = get(&sluice.url("/hosted"), &[("host", "other.example.com")]).await;
+    assert_eq!(other.json()["uri"], "/hosted");
+}
+
+async fn assert_problem(reply: &Reply, status: StatusCode) {
+    assert_eq!(reply.status, status);
+    assert_eq!(reply.header("content-type"), Some("application/problem+json"));
+    let p = reply.json();
+    assert_eq!(p["status"], status.as_u16());
+    assert!(p["title"].is_string() && p["detail"].is_string(), "{p}");
+}
+
+#[tokio::test]
+async fn no_route_is_404() {
+    let up = Upstream::start().await;
+    let cfg = format!(
+        "[upstreams.api]\nurl = \"{}\"\n[[routes]]\npath = \"/api\"\nupstream = \"api\"\n",
+        up.url()
+    );
+    let sluice = Sluice::start(&cfg).await;
+    assert_problem(&get(&sluice.url("/other"), &[]).await, StatusCode::NOT_FOUND).await;
+    assert_eq!(up.hits(), 0);
+}
+
+#[tokio::test]
+async fn refused_upstream_is_502_at_once() {
+    let (_up, sluice) = setup().await;
+    let started = Instant::now();
+    let reply = get(&sluice.url("/dead"), &[]).await;
+    assert_problem(&reply, StatusCode::BAD_GATEWAY).await;
+    assert!(started.elapsed() < Duration::from_millis(300), "took {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn slow_upstream_is_504_after_upstream_timeout() {
+    let (_up, sluice) = setup().await;
+    let started = Instant::now();
+    let reply = get(&sluice.url("/slow/5000"), &[]).await;
+    assert_problem(&reply, StatusCode::GATEWAY_TIMEOUT).await;
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "took {took:?}");
+}
+
+#[tokio::test]
+async fn oversized_headers_are_431_with_problem_body() {
+    let (up, sluice) = setup().await;
+    let big = "x".repeat(5000);
+    let reply = get(&sluice.url("/"), &[("x-big", &big)]).await;
+    assert_problem(&reply, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE).await;
+    // Far beyond the read buffer, hyper itself refuses; still a 431, never a crash.
+    let huge = "y".repeat(200_000);
+    let raw_reply = raw(
+        sluice.addr,
+        format!("GET / HTTP/1.1\r\nhost: a\r\nx-huge: {huge}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert!(raw_reply.starts_with("HTTP/1.1 431"), "{raw_reply}");
+    assert_eq!(up.hits(), 0);
+    // The server still serves.
+    assert_eq!(get(&sluice.url("/ping"), &[]).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn malformed_requests_are_400_and_harmless() {
+    let (up, sluice) = setup().await;
+    let no_host = raw(sluice.addr, b"GET / HTTP/1.1\r\n\r\n").await;
+    assert!(no_host.starts_with("HTTP/1.1 400"), "{no_host}");
+    assert!(no_host.contains("application/problem+json"), "{no_host}");
+    let two_hosts = raw(sluice.addr, b"GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n").await;
+    assert!(two_hosts.starts_with("HTTP/1.1 400"), "{two_hosts}");
+    for garbage in [
+        &b"\x00\x01\x02garbage\r\n\r\n"[..],
+        b"GET /\x7f HTTP/1.1\r\nhost: a\r\n\r\n",
+        b"GET / HTTP/9.9\r\nhost: a\r\n\r\n",
+        b"GET / HTTP/1.1\r\nbad header\r\n\r\n",
+        b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: -5\r\n\r\n",
+        b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    ] {
+        let reply = raw(sluice.addr, garbage).await;
+        assert!(
+            reply.starts_with("HTTP/1.1 400"),
+            "{:?} -> {reply}",
+            String::from_utf8_lossy(garbage)
+        );
+    }
+    // Only the bad chunked body got as far as the upstream (its head was fine).
+    assert!(up.hits() <= 1);
+    assert_eq!(get(&sluice.url("/ping"), &[]).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn http2_prior_knowledge_is_served() {
+    let (_up, sluice) = setup().await;
+    let c = h2_client();
+    let reply = send(&c, Request::get(sluice.url("/ping")).body(empty()).unwrap()).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(&reply.body[..], b"pong");
+    let echo = send(&c, Request::get(sluice.url("/h2?x=1")).body(empty()).unwrap()).await;
+    assert_eq!(echo.json()["uri"], "/h2?x=1");
+    assert_eq!(echo.json()["headers"]["x-forwarded-host"][0], sluice.addr.to_string());
+}
+
+#[tokio::test]
+async fn keeps_upstream_connections_alive() {
+    let (_up, sluice) = setup().await;
+    // Sequential requests reuse one pooled upstream connection: the upstream
+    // sees them all from the same peer port.
+    let c = client();
+    let mut peers = std::collections::HashSet::new();
+    for _ in 0..20 {
+        let reply = send(&c, Request::get(sluice.url("/k")).body(empty()).unwrap()).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        peers.insert(reply.json()["peer"].to_string());
+    }
+    assert_eq!(peers.len(), 1, "{peers:?}");
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_requests_in_flight() {
+    let (up, sluice) = setup().await;
+    let url = sluice.url("/slow/150");
+    let in_flight = tokio::spawn(async move { get(&url, &[]).await });
+    wait_until(|| up.hits() == 1).await;
+    let addr = sluice.addr;
+    sluice.shutdown().await;
+    let reply = in_flight.await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK);
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "still accepting");
+}

@@ -1,0 +1,292 @@
+//! Test support: a real upstream HTTP server, sluice itself started in-process
+//! on port 0, and a real HTTP client.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use sluice::Server;
+use sluice::clock::Clock;
+use sluice::proxy::Proxy;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+
+/// A real upstream on a free loopback port. What it does depends on the path:
+///
+/// - `/status/N`: answers status N;
+/// - `/slow/MS`: answers after MS milliseconds;
+/// - `/bytes/N`: streams N bytes of body;
+/// - `/upload`: reads the body as it comes and answers its length;
+/// - anything else: echoes the request as JSON (method, uri, headers, peer).
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicU64>,
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicU64::new(0));
+        let counter = hits.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, peer)) = listener.accept().await else {
+                    continue;
+                };
+                let hits = counter.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req| {
+                        hits.fetch_add(1, Ordering::SeqCst);
+                        upstream_answer(req, peer)
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Upstream { addr, hits }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+async fn upstream_answer(
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Result<Response<BoxBody>, Infallible> {
+    let path = req.uri().path().to_string();
+    let full = |status: StatusCode, body: String| {
+        let mut r = Response::new(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed());
+        *r.status_mut() = status;
+        r
+    };
+    if let Some(code) = path.strip_prefix("/status/") {
+        let status = StatusCode::from_u16(code.parse().unwrap_or(500)).unwrap();
+        let mut r = full(status, String::new());
+        // A response with hop-by-hop headers the proxy must strip.
+        r.headers_mut().insert("keep-alive", "timeout=5".parse().unwrap());
+        r.headers_mut().insert("x-upstream", "yes".parse().unwrap());
+        return Ok(r);
+    }
+    if let Some(ms) = path.strip_prefix("/slow/") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(0))).await;
+        return Ok(full(StatusCode::OK, "slow".into()));
+    }
+    if let Some(n) = path.strip_prefix("/bytes/") {
+        let n: u64 = n.parse().unwrap_or(0);
+        return Ok(Response::new(chunked_body(n)));
+    }
+    if path == "/upload" {
+        let mut body = req.into_body();
+        let mut n = 0u64;
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.map(|f| f.into_data()) {
+                n += data.map(|d| d.len() as u64).unwrap_or(0);
+            } else {
+                break;
+            }
+        }
+        return Ok(full(StatusCode::OK, n.to_string()));
+    }
+    let headers: serde_json::Map<String, serde_json::Value> = req
+        .headers()
+        .keys()
+        .map(|k| {
+            let values: Vec<serde_json::Value> = req
+                .headers()
+                .get_all(k)
+                .iter()
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned().into())
+                .collect();
+            (k.as_str().to_string(), values.into())
+        })
+        .collect();
+    let echo = serde_json::json!({
+        "method": req.method().as_str(),
+        "uri": req.uri().to_string(),
+        "headers": headers,
+        "peer": peer.to_string(),
+    });
+    Ok(full(StatusCode::OK, echo.to_string()))
+}
+
+/// A body of `n` zero bytes in 64 KiB chunks, made as it is sent.
+pub fn chunked_body(n: u64) -> BoxBody {
+    let chunk = Bytes::from(vec![0u8; 64 * 1024]);
+    let stream = futures_util::stream::unfold(n, move |left| {
+        let chunk = chunk.clone();
+        async move {
+            if left == 0 {
+                return None;
+            }
+            let take = left.min(chunk.len() as u64);
+            Some((
+                Ok::<_, hyper::Error>(Frame::data(chunk.slice(..take as usize))),
+                left - take,
+            ))
+        }
+    });
+    StreamBody::new(stream).boxed()
+}
+
+/// sluice, running in this process.
+pub struct Sluice {
+    pub addr: SocketAddr,
+    pub clock: Clock,
+    pub proxy: Arc<Proxy>,
+    stop: Option<oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Sluice {
+    /// Starts sluice with `config` (TOML text); `{upstream}` in it is replaced
+    /// by the URL given.
+    pub async fn start(config: &str) -> Sluice {
+        Self::start_with_clock(config, Clock::system()).await
+    }
+
+    pub async fn start_with_clock(config: &str, clock: Clock) -> Sluice {
+        let config = sluice::config::parse(config, "test.toml", std::path::Path::new("."))
+            .unwrap_or_else(|e| panic!("test config is invalid:\n{e}"));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = Server::with_clock(listener, config, clock.clone()).unwrap();
+        let proxy = server.proxy();
+        let (stop, stopped) = oneshot::channel();
+        let done = tokio::spawn(server.run(async {
+            let _ = stopped.await;
+        }));
+        Sluice {
+            addr,
+            clock,
+            proxy,
+            stop: Some(stop),
+            done: Some(done),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Stops accepting and waits for the drain to end.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(done) = self.done.take() {
+            done.await.unwrap();
+        }
+    }
+}
+
+/// A response, read whole.
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn header_u64(&self, name: &str) -> u64 {
+        self.header(name)
+            .unwrap_or_else(|| panic!("no {name} header"))
+            .parse()
+            .unwrap()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+}
+
+/// A real HTTP/1.1 client with a connection pool.
+pub fn client() -> Client<HttpConnector, BoxBody> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// An HTTP/2 (prior knowledge) client.
+pub fn h2_client() -> Client<HttpConnector, BoxBody> {
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new())
+}
+
+pub fn empty() -> BoxBody {
+    Full::new(Bytes::new()).map_err(|e| match e {}).boxed()
+}
+
+/// Sends `req` and reads the whole answer.
+pub async fn send(client: &Client<HttpConnector, BoxBody>, req: Request<BoxBody>) -> Reply {
+    let resp = client.request(req).await.expect("request failed");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("body failed").to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// GET `url` with extra headers.
+pub async fn get(url: &str, headers: &[(&str, &str)]) -> Reply {
+    let mut req = Request::get(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    send(&client(), req.body(empty()).unwrap()).await
+}
+
+/// Sends raw bytes on a fresh TCP connection and returns what came back
+/// before the server closed it (or `timeout` passed).
+pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = s.write_all(bytes).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Polls `cond` until it holds (at most 5 s): for waiting on an event, never
+/// for letting time pass.
+pub async fn wait_until(mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "condition not met in 5 s");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A loopback port with nothing listening on it.
+pub async fn dead_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    drop(l);
+    addr
+}
