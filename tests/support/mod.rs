@@ -26,7 +26,7 @@ pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 
 /// A real upstream on a free loopback port. What it does depends on the path:
 ///
-/// - `/status/N`: answers status N;
+/// - `.../status/N`: answers status N;
 /// - `/slow/MS`: answers after MS milliseconds;
 /// - `/bytes/N`: streams N bytes of body;
 /// - `/upload`: reads the body as it comes and answers its length;
@@ -81,7 +81,7 @@ async fn upstream_answer(
         *r.status_mut() = status;
         r
     };
-    if let Some(code) = path.strip_prefix("/status/") {
+    if let Some((_, code)) = path.split_once("/status/") {
         let status = StatusCode::from_u16(code.parse().unwrap_or(500)).unwrap();
         let mut r = full(status, String::new());
         // A response with hop-by-hop headers the proxy must strip.
