@@ -25,7 +25,8 @@ impl Clock {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_millis() as i64;
-        wall.saturating_add(self.offset_ms.load(Ordering::Relaxed)).max(0) as u64
+        wall.saturating_add(self.offset_ms.load(Ordering::Relaxed))
+            .max(0) as u64
     }
 
     /// Moves this clock (and its clones) forward.

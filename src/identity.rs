@@ -32,7 +32,9 @@ pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &[IpNet]) -> IpAddr
             if hop.is_empty() {
                 continue;
             }
-            let Some(ip) = parse_hop(hop) else { return peer };
+            let Some(ip) = parse_hop(hop) else {
+                return peer;
+            };
             if !is_trusted(ip, trusted) {
                 return ip;
             }
@@ -65,7 +67,12 @@ pub struct Identity {
 }
 
 /// The identity of `spec` for a request.
-pub fn identify(spec: &KeySpec, client: IpAddr, headers: &HeaderMap, query: Option<&str>) -> Identity {
+pub fn identify(
+    spec: &KeySpec,
+    client: IpAddr,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> Identity {
     let value = match spec {
         KeySpec::Ip => None,
         KeySpec::Global => {
@@ -143,7 +150,10 @@ mod tests {
     fn untrusted_peer_cannot_spoof() {
         let trusted = vec!["10.0.0.0/8".parse().unwrap()];
         let h = xff(&["1.2.3.4"]);
-        assert_eq!(client_ip(ip("203.0.113.5"), &h, &trusted), ip("203.0.113.5"));
+        assert_eq!(
+            client_ip(ip("203.0.113.5"), &h, &trusted),
+            ip("203.0.113.5")
+        );
     }
 
     #[test]

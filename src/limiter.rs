@@ -146,7 +146,9 @@ impl Limiter {
                 Ok(true)
             }
             Charge::After if !free => {
-                self.store.charge(&ticket.counters, ticket.cost, now).await?;
+                self.store
+                    .charge(&ticket.counters, ticket.cost, now)
+                    .await?;
                 Ok(false)
             }
             _ => Ok(false),

@@ -8,10 +8,19 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
-#[command(name = "sluice", version, about = "A reverse proxy with built-in rate limiting")]
+#[command(
+    name = "sluice",
+    version,
+    about = "A reverse proxy with built-in rate limiting"
+)]
 struct Cli {
     /// Configuration file.
-    #[arg(long, global = true, env = "SLUICE_CONFIG", default_value = "config.toml")]
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_CONFIG",
+        default_value = "config.toml"
+    )]
     config: PathBuf,
     /// Log format on stderr (the RUST_LOG filter applies to both).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]

@@ -52,8 +52,7 @@ impl Router {
             };
             path_ok
                 && r.methods.as_ref().is_none_or(|m| m.contains(method))
-                && r
-                    .host
+                && r.host
                     .as_deref()
                     .is_none_or(|want| host.is_some_and(|h| h.eq_ignore_ascii_case(want)))
         })
@@ -73,7 +72,12 @@ mod tests {
     use super::*;
     use crate::config::Target;
 
-    fn route(name: &str, path: PathMatch, host: Option<&str>, methods: Option<Vec<Method>>) -> Route {
+    fn route(
+        name: &str,
+        path: PathMatch,
+        host: Option<&str>,
+        methods: Option<Vec<Method>>,
+    ) -> Route {
         Route {
             name: name.to_string(),
             path,
@@ -103,12 +107,23 @@ mod tests {
             route("hosted", prefix("/"), Some("api.example.com"), None),
             route("root-again", prefix("/"), None, None),
         ]);
-        let find = |host, path| router.find(&Method::GET, host, path).map(|r| r.name.as_str());
+        let find = |host, path| {
+            router
+                .find(&Method::GET, host, path)
+                .map(|r| r.name.as_str())
+        };
         assert_eq!(find(None, "/api/search?q"), Some("api-search"));
         assert_eq!(find(None, "/api/other"), Some("api"));
         assert_eq!(find(None, "/api"), Some("exact"));
-        assert_eq!(find(None, "/x"), Some("root"), "ties go to the earlier route");
-        assert_eq!(find(Some("API.example.com:8080"), "/api/search"), Some("hosted"));
+        assert_eq!(
+            find(None, "/x"),
+            Some("root"),
+            "ties go to the earlier route"
+        );
+        assert_eq!(
+            find(Some("API.example.com:8080"), "/api/search"),
+            Some("hosted")
+        );
     }
 
     #[test]

@@ -16,8 +16,8 @@ use crate::clock::Clock;
 use crate::config::{Backend, Config};
 use crate::limiter::Limiter;
 use crate::proxy::Proxy;
-use crate::store::memory::MemoryStore;
 use crate::store::Store;
+use crate::store::memory::MemoryStore;
 
 /// Why the server could not start or run.
 #[derive(Debug, thiserror::Error)]
@@ -44,7 +44,11 @@ impl Server {
     }
 
     /// A server on `clock` (tests move it instead of sleeping).
-    pub fn with_clock(listener: TcpListener, config: Config, clock: Clock) -> Result<Server, ServerError> {
+    pub fn with_clock(
+        listener: TcpListener,
+        config: Config,
+        clock: Clock,
+    ) -> Result<Server, ServerError> {
         let store = match config.store.backend {
             Backend::Memory => Store::Memory(MemoryStore::new(config.store.max_keys)),
             Backend::Redis => return Err(ServerError::BackendUnavailable),
@@ -107,7 +111,10 @@ impl Server {
         drop(listener);
         let timeout = proxy.state().config.server.shutdown_timeout;
         tracing::info!("shutting down: draining requests in flight");
-        if tokio::time::timeout(timeout, graceful.shutdown()).await.is_err() {
+        if tokio::time::timeout(timeout, graceful.shutdown())
+            .await
+            .is_err()
+        {
             tracing::warn!("shutdown timeout reached; closing remaining connections");
         }
         sweeper.abort();
@@ -115,7 +122,11 @@ impl Server {
 }
 
 /// Runs sluice on `listener` with `config` until `shutdown` completes.
-pub async fn run(listener: TcpListener, config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
     Server::new(listener, config)?.run(shutdown).await;
     Ok(())
 }

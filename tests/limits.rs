@@ -69,17 +69,28 @@ async fn fixed_window_admits_limit_then_429_until_the_next_window() {
     // The reset never wobbles: the window's end, on a whole second.
     assert!(resets.windows(2).all(|w| w[0] == w[1]), "{resets:?}");
     let reset = resets[0];
-    assert_eq!(reset * 1000 % 10_000, 0, "window end is aligned to the epoch");
+    assert_eq!(
+        reset * 1000 % 10_000,
+        0,
+        "window end is aligned to the epoch"
+    );
 
     let denied = get(&s.url("/a"), &[]).await;
     assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(denied.header("content-type"), Some("application/problem+json"));
+    assert_eq!(
+        denied.header("content-type"),
+        Some("application/problem+json")
+    );
     assert_eq!(denied.json()["status"], 429);
     assert_eq!(denied.header_u64("x-ratelimit-remaining"), 0);
     assert_eq!(denied.header_u64("x-ratelimit-reset"), reset);
     let retry = denied.header_u64("retry-after");
     assert!((1..=10).contains(&retry), "retry-after {retry}");
-    assert_eq!(up.hits(), 3, "a rejected request never reaches the upstream");
+    assert_eq!(
+        up.hits(),
+        3,
+        "a rejected request never reaches the upstream"
+    );
 
     // Retry-After is true: waiting that long is enough.
     s.clock.advance(std::time::Duration::from_secs(retry));
@@ -106,11 +117,18 @@ async fn all_limits_must_pass_and_a_rejection_charges_nothing() {
     assert_eq!(second.header_u64("x-ratelimit-remaining"), 0);
     let denied = get(&s.url("/"), &[]).await;
     assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(denied.header_u64("x-ratelimit-limit"), 2, "the limit that denied");
+    assert_eq!(
+        denied.header_u64("x-ratelimit-limit"),
+        2,
+        "the limit that denied"
+    );
     assert_eq!(denied.header_u64("retry-after"), 1);
     // Denied a few more times: none of it may count against the minute.
     for _ in 0..3 {
-        assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            get(&s.url("/"), &[]).await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
     }
     s.clock.advance(std::time::Duration::from_secs(1));
     let third = get(&s.url("/"), &[]).await;
@@ -136,11 +154,29 @@ async fn cost_weighs_a_request() {
         60_000,
     )
     .await;
-    assert_eq!(get(&s.url("/search"), &[]).await.header_u64("x-ratelimit-remaining"), 6);
-    assert_eq!(get(&s.url("/search"), &[]).await.header_u64("x-ratelimit-remaining"), 2);
-    assert_eq!(get(&s.url("/search"), &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        get(&s.url("/search"), &[])
+            .await
+            .header_u64("x-ratelimit-remaining"),
+        6
+    );
+    assert_eq!(
+        get(&s.url("/search"), &[])
+            .await
+            .header_u64("x-ratelimit-remaining"),
+        2
+    );
+    assert_eq!(
+        get(&s.url("/search"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
     // A cheaper request still fits in what is left.
-    assert_eq!(get(&s.url("/cheap"), &[]).await.header_u64("x-ratelimit-remaining"), 1);
+    assert_eq!(
+        get(&s.url("/cheap"), &[])
+            .await
+            .header_u64("x-ratelimit-remaining"),
+        1
+    );
 }
 
 #[tokio::test]
@@ -161,9 +197,24 @@ async fn identities_header_query_ip_and_global() {
     let limited = StatusCode::TOO_MANY_REQUESTS;
     // Header: each value has its own counter.
     let alice = ("x-user", "alice".to_string());
-    assert_eq!(get_as(&s.url("/user"), &[alice.clone()]).await.status, ok);
-    assert_eq!(get_as(&s.url("/user"), &[alice.clone()]).await.status, limited);
-    assert_eq!(get_as(&s.url("/user"), &[("x-user", "bob".into())]).await.status, ok);
+    assert_eq!(
+        get_as(&s.url("/user"), std::slice::from_ref(&alice))
+            .await
+            .status,
+        ok
+    );
+    assert_eq!(
+        get_as(&s.url("/user"), std::slice::from_ref(&alice))
+            .await
+            .status,
+        limited
+    );
+    assert_eq!(
+        get_as(&s.url("/user"), &[("x-user", "bob".into())])
+            .await
+            .status,
+        ok
+    );
     // A second copy of the header cannot buy a fresh alice.
     let two = send(
         &client(),
@@ -186,10 +237,21 @@ async fn identities_header_query_ip_and_global() {
     .await;
     assert_eq!(two_again.status, limited);
     // Missing header: counted by client address, not by a header value equal to it.
-    assert_eq!(get_as(&s.url("/user"), &[from("192.0.2.1")]).await.status, ok);
-    assert_eq!(get_as(&s.url("/user"), &[from("192.0.2.1")]).await.status, limited);
     assert_eq!(
-        get_as(&s.url("/user"), &[from("192.0.2.9"), ("x-user", "192.0.2.1".into())]).await.status,
+        get_as(&s.url("/user"), &[from("192.0.2.1")]).await.status,
+        ok
+    );
+    assert_eq!(
+        get_as(&s.url("/user"), &[from("192.0.2.1")]).await.status,
+        limited
+    );
+    assert_eq!(
+        get_as(
+            &s.url("/user"),
+            &[from("192.0.2.9"), ("x-user", "192.0.2.1".into())]
+        )
+        .await
+        .status,
         ok
     );
     // Query parameter, percent-decoded.
@@ -197,9 +259,18 @@ async fn identities_header_query_ip_and_global() {
     assert_eq!(get(&s.url("/key?key=k1"), &[]).await.status, limited);
     assert_eq!(get(&s.url("/key?key=k2"), &[]).await.status, ok);
     // Global: one budget for every client.
-    assert_eq!(get_as(&s.url("/global"), &[from("192.0.2.1")]).await.status, ok);
-    assert_eq!(get_as(&s.url("/global"), &[from("192.0.2.2")]).await.status, ok);
-    assert_eq!(get_as(&s.url("/global"), &[from("192.0.2.3")]).await.status, limited);
+    assert_eq!(
+        get_as(&s.url("/global"), &[from("192.0.2.1")]).await.status,
+        ok
+    );
+    assert_eq!(
+        get_as(&s.url("/global"), &[from("192.0.2.2")]).await.status,
+        ok
+    );
+    assert_eq!(
+        get_as(&s.url("/global"), &[from("192.0.2.3")]).await.status,
+        limited
+    );
 }
 
 #[tokio::test]
@@ -213,15 +284,24 @@ async fn a_list_of_keys_counts_each_identity() {
     )
     .await;
     let req = |ip: &str, user: &str| vec![from(ip), ("x-user", user.to_string())];
-    assert_eq!(get_as(&s.url("/"), &req("192.0.2.1", "alice")).await.status, StatusCode::OK);
-    assert_eq!(get_as(&s.url("/"), &req("192.0.2.2", "alice")).await.status, StatusCode::OK);
+    assert_eq!(
+        get_as(&s.url("/"), &req("192.0.2.1", "alice")).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get_as(&s.url("/"), &req("192.0.2.2", "alice")).await.status,
+        StatusCode::OK
+    );
     // alice is spent, whatever address she comes from...
     assert_eq!(
         get_as(&s.url("/"), &req("192.0.2.3", "alice")).await.status,
         StatusCode::TOO_MANY_REQUESTS
     );
     // ...and 192.0.2.1 has one left, whoever it claims to be.
-    assert_eq!(get_as(&s.url("/"), &req("192.0.2.1", "bob")).await.status, StatusCode::OK);
+    assert_eq!(
+        get_as(&s.url("/"), &req("192.0.2.1", "bob")).await.status,
+        StatusCode::OK
+    );
     assert_eq!(
         get_as(&s.url("/"), &req("192.0.2.1", "carol")).await.status,
         StatusCode::TOO_MANY_REQUESTS
@@ -242,7 +322,11 @@ async fn spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
     let s = Sluice::start_with_clock(&cfg, clock_at_window_start(60_000)).await;
     for (i, ip) in ["1.1.1.1", "2.2.2.2", "3.3.3.3"].iter().enumerate() {
         let r = get_as(&s.url("/"), &[from(ip)]).await;
-        let want = if i < 2 { StatusCode::OK } else { StatusCode::TOO_MANY_REQUESTS };
+        let want = if i < 2 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
         assert_eq!(r.status, want, "request {i} claiming {ip}");
     }
 }
@@ -271,17 +355,27 @@ async fn refund_statuses_and_sluice_errors_give_the_charge_back() {
     // 502 from sluice itself: refunded too.
     let r = get(&s.url("/dead"), &[]).await;
     assert_eq!(r.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(remaining(&get(&s.url("/status/500"), &[]).await), 1, "a 500 is charged");
+    assert_eq!(
+        remaining(&get(&s.url("/status/500"), &[]).await),
+        1,
+        "a 500 is charged"
+    );
 
     // after: only checked first, charged once the status is known, never for a refund status.
     for _ in 0..5 {
-        assert_eq!(get(&s.url("/after/status/404"), &[]).await.status, StatusCode::NOT_FOUND);
+        assert_eq!(
+            get(&s.url("/after/status/404"), &[]).await.status,
+            StatusCode::NOT_FOUND
+        );
     }
     let r = get(&s.url("/after/status/200"), &[]).await;
     assert_eq!(remaining(&r), 2);
     get(&s.url("/after/x"), &[]).await;
     get(&s.url("/after/x"), &[]).await;
-    assert_eq!(get(&s.url("/after/x"), &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        get(&s.url("/after/x"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
 }
 
 #[tokio::test]
@@ -317,7 +411,10 @@ async fn header_style_none_and_respond_routes() {
     assert!(r.header("x-ratelimit-limit").is_none());
     let denied = get(&s.url("/ping"), &[]).await;
     assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
-    assert!(denied.header("retry-after").is_some(), "Retry-After is sent whatever the style");
+    assert!(
+        denied.header("retry-after").is_some(),
+        "Retry-After is sent whatever the style"
+    );
 }
 
 #[tokio::test]
@@ -334,7 +431,10 @@ async fn memory_stays_bounded_under_a_flood_of_identities() {
     let c = client();
     for i in 0..500 {
         let long = format!("{i}-{}", "v".repeat(10_000));
-        let req = Request::get(s.url("/ping")).header("x-key", long).body(empty()).unwrap();
+        let req = Request::get(s.url("/ping"))
+            .header("x-key", long)
+            .body(empty())
+            .unwrap();
         assert_eq!(send(&c, req).await.status, StatusCode::OK);
     }
     let Store::Memory(m) = s.proxy.limiter().store();

@@ -76,7 +76,12 @@ async fn forwards_method_path_query_and_headers() {
     assert_eq!(echo["uri"], "/items/7?sort=asc&q=a%20b");
     let h = &echo["headers"];
     assert_eq!(h["x-custom"][0], "one");
-    for hop in ["x-secret", "keep-alive", "proxy-authorization", "connection"] {
+    for hop in [
+        "x-secret",
+        "keep-alive",
+        "proxy-authorization",
+        "connection",
+    ] {
         assert!(h.get(hop).is_none(), "{hop} was forwarded: {h}");
     }
     assert_eq!(h["x-forwarded-for"][0], "198.51.100.7, 127.0.0.1");
@@ -109,7 +114,11 @@ async fn routes_by_specificity_method_and_host() {
     assert_eq!(&ping.body[..], b"pong");
     // POST /ping does not match the GET-only route: it falls to the prefix "/".
     let c = client();
-    let post = send(&c, Request::post(sluice.url("/ping")).body(empty()).unwrap()).await;
+    let post = send(
+        &c,
+        Request::post(sluice.url("/ping")).body(empty()).unwrap(),
+    )
+    .await;
     assert_eq!(post.json()["method"], "POST");
     let hosted = get(&sluice.url("/hosted"), &[("host", "API.example.com:8080")]).await;
     assert_eq!(&hosted.body[..], b"hosted");
@@ -119,7 +128,10 @@ async fn routes_by_specificity_method_and_host() {
 
 async fn assert_problem(reply: &Reply, status: StatusCode) {
     assert_eq!(reply.status, status);
-    assert_eq!(reply.header("content-type"), Some("application/problem+json"));
+    assert_eq!(
+        reply.header("content-type"),
+        Some("application/problem+json")
+    );
     let p = reply.json();
     assert_eq!(p["status"], status.as_u16());
     assert!(p["title"].is_string() && p["detail"].is_string(), "{p}");
@@ -133,7 +145,11 @@ async fn no_route_is_404() {
         up.url()
     );
     let sluice = Sluice::start(&cfg).await;
-    assert_problem(&get(&sluice.url("/other"), &[]).await, StatusCode::NOT_FOUND).await;
+    assert_problem(
+        &get(&sluice.url("/other"), &[]).await,
+        StatusCode::NOT_FOUND,
+    )
+    .await;
     assert_eq!(up.hits(), 0);
 }
 
@@ -143,7 +159,11 @@ async fn refused_upstream_is_502_at_once() {
     let started = Instant::now();
     let reply = get(&sluice.url("/dead"), &[]).await;
     assert_problem(&reply, StatusCode::BAD_GATEWAY).await;
-    assert!(started.elapsed() < Duration::from_millis(300), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "took {:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -153,7 +173,10 @@ async fn slow_upstream_is_504_after_upstream_timeout() {
     let reply = get(&sluice.url("/slow/5000"), &[]).await;
     assert_problem(&reply, StatusCode::GATEWAY_TIMEOUT).await;
     let took = started.elapsed();
-    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "took {took:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "took {took:?}"
+    );
 }
 
 #[tokio::test]
@@ -210,9 +233,16 @@ async fn http2_prior_knowledge_is_served() {
     let reply = send(&c, Request::get(sluice.url("/ping")).body(empty()).unwrap()).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(&reply.body[..], b"pong");
-    let echo = send(&c, Request::get(sluice.url("/h2?x=1")).body(empty()).unwrap()).await;
+    let echo = send(
+        &c,
+        Request::get(sluice.url("/h2?x=1")).body(empty()).unwrap(),
+    )
+    .await;
     assert_eq!(echo.json()["uri"], "/h2?x=1");
-    assert_eq!(echo.json()["headers"]["x-forwarded-host"][0], sluice.addr.to_string());
+    assert_eq!(
+        echo.json()["headers"]["x-forwarded-host"][0],
+        sluice.addr.to_string()
+    );
 }
 
 #[tokio::test]
@@ -240,5 +270,8 @@ async fn graceful_shutdown_finishes_requests_in_flight() {
     sluice.shutdown().await;
     let reply = in_flight.await.unwrap();
     assert_eq!(reply.status, StatusCode::OK);
-    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "still accepting");
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "still accepting"
+    );
 }

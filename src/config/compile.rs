@@ -28,7 +28,11 @@ struct Diag<'a> {
 impl Diag<'_> {
     fn line(&self, span: &Range<usize>) -> usize {
         let end = span.start.min(self.text.len());
-        self.text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
+        self.text.as_bytes()[..end]
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count()
+            + 1
     }
 
     fn err(&mut self, span: &Range<usize>, msg: impl AsRef<str>) {
@@ -138,7 +142,10 @@ fn positive(d: &mut Diag, key: &str, value: &Spanned<i64>) -> Option<u64> {
     if *value.get_ref() <= 0 {
         d.err(
             &value.span(),
-            format!("{key}: must be a whole number above zero, not {}", value.get_ref()),
+            format!(
+                "{key}: must be a whole number above zero, not {}",
+                value.get_ref()
+            ),
         );
         return None;
     }
@@ -147,13 +154,18 @@ fn positive(d: &mut Diag, key: &str, value: &Spanned<i64>) -> Option<u64> {
 
 fn socket_addr(d: &mut Diag, key: &str, value: &Spanned<String>) -> Option<SocketAddr> {
     let text = value.get_ref();
-    let text = text.strip_prefix("localhost:").map_or(text.clone(), |port| format!("127.0.0.1:{port}"));
+    let text = text
+        .strip_prefix("localhost:")
+        .map_or(text.clone(), |port| format!("127.0.0.1:{port}"));
     match text.parse() {
         Ok(addr) => Some(addr),
         Err(_) => {
             d.err(
                 &value.span(),
-                format!("{key}: '{}' is not an address like \"127.0.0.1:8080\" or \"[::]:8080\"", value.get_ref()),
+                format!(
+                    "{key}: '{}' is not an address like \"127.0.0.1:8080\" or \"[::]:8080\"",
+                    value.get_ref()
+                ),
             );
             None
         }
@@ -183,7 +195,10 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
     }
     if let Some(v) = &raw.workers {
         if *v.get_ref() < 0 || *v.get_ref() > 1024 {
-            d.err(&v.span(), "server.workers: must be between 0 (one per core) and 1024");
+            d.err(
+                &v.span(),
+                "server.workers: must be between 0 (one per core) and 1024",
+            );
         } else {
             s.workers = *v.get_ref() as usize;
         }
@@ -203,14 +218,16 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         }
     }
     if let Some(v) = &raw.upstream_timeout {
-        s.upstream_timeout = duration_value(d, "server.upstream_timeout", v).unwrap_or(s.upstream_timeout);
+        s.upstream_timeout =
+            duration_value(d, "server.upstream_timeout", v).unwrap_or(s.upstream_timeout);
     }
     if let Some(v) = &raw.shutdown_timeout {
-        s.shutdown_timeout = duration_value(d, "server.shutdown_timeout", v).unwrap_or(s.shutdown_timeout);
+        s.shutdown_timeout =
+            duration_value(d, "server.shutdown_timeout", v).unwrap_or(s.shutdown_timeout);
     }
     if let Some(v) = &raw.max_header_bytes {
         match positive(d, "server.max_header_bytes", v) {
-            Some(n) if n < 1024 || n > 16 * 1024 * 1024 => d.err(
+            Some(n) if !(1024..=16 * 1024 * 1024).contains(&n) => d.err(
                 &v.span(),
                 "server.max_header_bytes: must be between 1024 and 16777216",
             ),
@@ -257,7 +274,13 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
     let check_url = |d: &mut Diag, key: &str, v: &Spanned<String>| {
         let url = v.get_ref();
         if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-            d.err(&v.span(), format!("{key}: '{}' must start with redis:// or rediss://", redact(url)));
+            d.err(
+                &v.span(),
+                format!(
+                    "{key}: '{}' must start with redis:// or rediss://",
+                    redact(url)
+                ),
+            );
         }
     };
     if let Some(v) = &r.url {
@@ -266,7 +289,10 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
     }
     if let Some(list) = &r.cluster {
         if list.get_ref().is_empty() {
-            d.err(&list.span(), "store.cluster: needs at least one seed node URL");
+            d.err(
+                &list.span(),
+                "store.cluster: needs at least one seed node URL",
+            );
         }
         for (i, v) in list.get_ref().iter().enumerate() {
             check_url(d, &format!("store.cluster[{i}]"), v);
@@ -312,10 +338,12 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
     if let Some(v) = r.deny_cache {
         s.deny_cache = v;
     }
-    if let Some(v) = &r.max_keys {
-        if let Some(n) = positive(d, "store.max_keys", v) {
-            s.max_keys = n as usize;
-        }
+    if let Some(n) = r
+        .max_keys
+        .as_ref()
+        .and_then(|v| positive(d, "store.max_keys", v))
+    {
+        s.max_keys = n as usize;
     }
     s
 }
@@ -328,11 +356,17 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
         (Some(u), None) => urls.push(u),
         (None, Some(list)) if !list.is_empty() => urls.extend(list),
         (Some(u), Some(_)) => {
-            d.err(&u.span(), format!("{key}: give either url or urls, not both"));
+            d.err(
+                &u.span(),
+                format!("{key}: give either url or urls, not both"),
+            );
             return None;
         }
         _ => {
-            d.err(&raw.span(), format!("{key}: needs url = \"http://host:port\" (or urls = [...])"));
+            d.err(
+                &raw.span(),
+                format!("{key}: needs url = \"http://host:port\" (or urls = [...])"),
+            );
             return None;
         }
     }
@@ -381,14 +415,20 @@ fn key_specs(d: &mut Diag, key: &str, value: &Spanned<toml::Value>) -> Option<Ve
         toml::Value::String(_) => vec![value.get_ref()],
         toml::Value::Array(list) if !list.is_empty() => list.iter().collect(),
         _ => {
-            d.err(&value.span(), format!("{key}: must be a key like \"ip\" or a list of them"));
+            d.err(
+                &value.span(),
+                format!("{key}: must be a key like \"ip\" or a list of them"),
+            );
             return None;
         }
     };
     let mut specs = Vec::new();
     for item in items {
         let Some(text) = item.as_str() else {
-            d.err(&value.span(), format!("{key}: must be a key like \"ip\" or a list of them"));
+            d.err(
+                &value.span(),
+                format!("{key}: must be a key like \"ip\" or a list of them"),
+            );
             return None;
         };
         let spec = match text.split_once(':') {
@@ -397,7 +437,10 @@ fn key_specs(d: &mut Diag, key: &str, value: &Spanned<toml::Value>) -> Option<Ve
             Some(("header", name)) => match HeaderName::from_bytes(name.as_bytes()) {
                 Ok(h) => KeySpec::Header(h),
                 Err(_) => {
-                    d.err(&value.span(), format!("{key}: '{name}' is not a valid header name"));
+                    d.err(
+                        &value.span(),
+                        format!("{key}: '{name}' is not a valid header name"),
+                    );
                     return None;
                 }
             },
@@ -433,7 +476,12 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             "reserve" => Charge::Reserve,
             "after" => Charge::After,
             other => {
-                d.err(&v.span(), format!("{key}: charge: unknown value '{other}' (use \"reserve\" or \"after\")"));
+                d.err(
+                    &v.span(),
+                    format!(
+                        "{key}: charge: unknown value '{other}' (use \"reserve\" or \"after\")"
+                    ),
+                );
                 Charge::Reserve
             }
         },
@@ -444,7 +492,10 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             "enforce" => Mode::Enforce,
             "shadow" => Mode::Shadow,
             other => {
-                d.err(&v.span(), format!("{key}: mode: unknown value '{other}' (use \"enforce\" or \"shadow\")"));
+                d.err(
+                    &v.span(),
+                    format!("{key}: mode: unknown value '{other}' (use \"enforce\" or \"shadow\")"),
+                );
                 Mode::Enforce
             }
         },
@@ -454,22 +505,34 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         None => refund.push(StatusCode::NOT_MODIFIED),
         Some(list) => {
             for v in list {
-                match u16::try_from(*v.get_ref()).ok().and_then(|c| StatusCode::from_u16(c).ok()) {
+                match u16::try_from(*v.get_ref())
+                    .ok()
+                    .and_then(|c| StatusCode::from_u16(c).ok())
+                {
                     Some(code) if (100..600).contains(&code.as_u16()) => refund.push(code),
-                    _ => d.err(&v.span(), format!("{key}: refund: {} is not an HTTP status", v.get_ref())),
+                    _ => d.err(
+                        &v.span(),
+                        format!("{key}: refund: {} is not an HTTP status", v.get_ref()),
+                    ),
                 }
             }
         }
     }
     if r.limits.get_ref().is_empty() {
-        d.err(&r.limits.span(), format!("{key}: limits: needs at least one limit"));
+        d.err(
+            &r.limits.span(),
+            format!("{key}: limits: needs at least one limit"),
+        );
     }
     let mut limits: Vec<Limit> = Vec::new();
     for (i, raw_limit) in r.limits.get_ref().iter().enumerate() {
         let lkey = format!("{key}: limits[{i}]");
         if let Some(l) = limit(d, &lkey, raw_limit, &keys) {
             if let Some(j) = limits.iter().position(|o| o.id == l.id && o.keys == l.keys) {
-                d.err(&raw_limit.span(), format!("{lkey}: counts the same window as limits[{j}]; merge them"));
+                d.err(
+                    &raw_limit.span(),
+                    format!("{lkey}: counts the same window as limits[{j}]; merge them"),
+                );
             }
             limits.push(l);
         }
@@ -486,7 +549,12 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
     })
 }
 
-fn limit(d: &mut Diag, key: &str, raw: &Spanned<RawLimit>, policy_keys: &[KeySpec]) -> Option<Limit> {
+fn limit(
+    d: &mut Diag,
+    key: &str,
+    raw: &Spanned<RawLimit>,
+    policy_keys: &[KeySpec],
+) -> Option<Limit> {
     let r = raw.get_ref();
     let limit = positive(d, &format!("{key}: limit"), &r.limit);
     let window = duration_value(d, &format!("{key}: window"), &r.window);
@@ -510,14 +578,23 @@ fn limit(d: &mut Diag, key: &str, raw: &Spanned<RawLimit>, policy_keys: &[KeySpe
                 return None;
             }
             if window.as_millis() / precision.as_millis() > 1000 {
-                d.err(&p.span(), format!("{key}: precision '{}' makes more than 1000 buckets", p.get_ref()));
+                d.err(
+                    &p.span(),
+                    format!(
+                        "{key}: precision '{}' makes more than 1000 buckets",
+                        p.get_ref()
+                    ),
+                );
                 return None;
             }
             Algorithm::Sliding { precision }
         }
         (Some("sliding"), None) => {
             let a = r.algorithm.as_ref()?;
-            d.err(&a.span(), format!("{key}: algorithm \"sliding\" needs a precision, like precision = \"1m\""));
+            d.err(
+                &a.span(),
+                format!("{key}: algorithm \"sliding\" needs a precision, like precision = \"1m\""),
+            );
             return None;
         }
         (None | Some("fixed"), None) => Algorithm::Fixed,
@@ -530,7 +607,10 @@ fn limit(d: &mut Diag, key: &str, raw: &Spanned<RawLimit>, policy_keys: &[KeySpe
             Algorithm::Gcra { burst }
         }
         (Some(other @ ("fixed" | "log" | "gcra")), Some((p, _))) => {
-            d.err(&p.span(), format!("{key}: precision applies only to sliding windows, not to \"{other}\""));
+            d.err(
+                &p.span(),
+                format!("{key}: precision applies only to sliding windows, not to \"{other}\""),
+            );
             return None;
         }
         (Some(other), _) => {
@@ -543,7 +623,10 @@ fn limit(d: &mut Diag, key: &str, raw: &Spanned<RawLimit>, policy_keys: &[KeySpe
         }
     };
     if let (Some(b), false) = (&r.burst, matches!(algorithm, Algorithm::Gcra { .. })) {
-        d.err(&b.span(), format!("{key}: burst applies only to algorithm \"gcra\""));
+        d.err(
+            &b.span(),
+            format!("{key}: burst applies only to algorithm \"gcra\""),
+        );
         return None;
     }
     let keys = match &r.key {
@@ -575,7 +658,12 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
     };
     match &path {
         PathMatch::Exact(p) | PathMatch::Prefix(p) if !p.starts_with('/') => {
-            d.err(&r.path.span(), format!("{key}: path '{path_text}' must start with '/' (or '=/' for an exact match)"));
+            d.err(
+                &r.path.span(),
+                format!(
+                    "{key}: path '{path_text}' must start with '/' (or '=/' for an exact match)"
+                ),
+            );
         }
         _ => {}
     }
@@ -585,7 +673,10 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
             let upper = m.get_ref().to_ascii_uppercase();
             match Method::from_bytes(upper.as_bytes()) {
                 Ok(method) if !upper.is_empty() => methods.push(method),
-                _ => d.err(&m.span(), format!("{key}: methods: '{}' is not an HTTP method", m.get_ref())),
+                _ => d.err(
+                    &m.span(),
+                    format!("{key}: methods: '{}' is not an HTTP method", m.get_ref()),
+                ),
             }
         }
         methods
@@ -593,7 +684,10 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
     let host = r.host.as_ref().map(|h| {
         let host = h.get_ref().trim().to_ascii_lowercase();
         if host.is_empty() || host.contains('/') {
-            d.err(&h.span(), format!("{key}: host '{}' is not a host name", h.get_ref()));
+            d.err(
+                &h.span(),
+                format!("{key}: host '{}' is not a host name", h.get_ref()),
+            );
         }
         host
     });
@@ -602,14 +696,20 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
             Some(up) => Some(Target::Upstream(up.clone())),
             None => {
                 if !names.declared_upstreams.contains(u.get_ref().as_str()) {
-                    d.err(&u.span(), format!("{key}: unknown upstream '{}'", u.get_ref()));
+                    d.err(
+                        &u.span(),
+                        format!("{key}: unknown upstream '{}'", u.get_ref()),
+                    );
                 }
                 None
             }
         },
         (None, Some(resp)) => {
             let rr = resp.get_ref();
-            match u16::try_from(*rr.status.get_ref()).ok().and_then(|c| StatusCode::from_u16(c).ok()) {
+            match u16::try_from(*rr.status.get_ref())
+                .ok()
+                .and_then(|c| StatusCode::from_u16(c).ok())
+            {
                 Some(status) if (200..600).contains(&status.as_u16()) => Some(Target::Respond {
                     status,
                     body: Bytes::from(rr.body.clone()),
@@ -619,17 +719,29 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
                         .unwrap_or_else(|| "text/plain; charset=utf-8".to_string()),
                 }),
                 _ => {
-                    d.err(&rr.status.span(), format!("{key}: respond.status: {} is not a status from 200 to 599", rr.status.get_ref()));
+                    d.err(
+                        &rr.status.span(),
+                        format!(
+                            "{key}: respond.status: {} is not a status from 200 to 599",
+                            rr.status.get_ref()
+                        ),
+                    );
                     None
                 }
             }
         }
         (Some(u), Some(_)) => {
-            d.err(&u.span(), format!("{key}: give either upstream or respond, not both"));
+            d.err(
+                &u.span(),
+                format!("{key}: give either upstream or respond, not both"),
+            );
             None
         }
         (None, None) => {
-            d.err(&raw.span(), format!("{key}: needs upstream = \"NAME\" or respond = {{ status = 200 }}"));
+            d.err(
+                &raw.span(),
+                format!("{key}: needs upstream = \"NAME\" or respond = {{ status = 200 }}"),
+            );
             None
         }
     };
@@ -639,7 +751,10 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
             Some(policy) => Some(policy.clone()),
             None => {
                 if !names.declared_policies.contains(p.get_ref().as_str()) {
-                    d.err(&p.span(), format!("{key}: unknown policy '{}'", p.get_ref()));
+                    d.err(
+                        &p.span(),
+                        format!("{key}: unknown policy '{}'", p.get_ref()),
+                    );
                 }
                 return None;
             }
@@ -653,7 +768,10 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
         return None;
     }
     Some(Route {
-        name: r.name.as_ref().map_or_else(|| path_text.clone(), |n| n.get_ref().clone()),
+        name: r
+            .name
+            .as_ref()
+            .map_or_else(|| path_text.clone(), |n| n.get_ref().clone()),
         path,
         methods,
         host,

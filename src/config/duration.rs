@@ -41,8 +41,13 @@ pub fn parse(text: &str) -> Result<Duration, String> {
 /// Formats a duration the way the config writes it, with the largest exact unit.
 pub fn format(d: Duration) -> String {
     let ms = d.as_millis() as u64;
-    for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
-        if ms != 0 && ms % size == 0 {
+    for (unit, size) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms != 0 && ms.is_multiple_of(size) {
             return format!("{}{unit}", ms / size);
         }
     }
@@ -64,7 +69,16 @@ mod tests {
 
     #[test]
     fn refuses_bad_strings() {
-        for bad in ["", "1", "s", "1.5s", "-1s", "1x", "1 s", "99999999999999999999d"] {
+        for bad in [
+            "",
+            "1",
+            "s",
+            "1.5s",
+            "-1s",
+            "1x",
+            "1 s",
+            "99999999999999999999d",
+        ] {
             assert!(parse(bad).is_err(), "{bad:?} should be refused");
         }
     }

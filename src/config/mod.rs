@@ -284,13 +284,7 @@ impl fmt::Display for Config {
         }
         writeln!(f, "policies:")?;
         for p in &self.policies {
-            writeln!(
-                f,
-                "  {}: charge {:?}, mode {:?}",
-                p.name,
-                p.charge,
-                p.mode
-            )?;
+            writeln!(f, "  {}: charge {:?}, mode {:?}", p.name, p.charge, p.mode)?;
             for l in &p.limits {
                 let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
                 writeln!(
@@ -319,7 +313,9 @@ impl fmt::Display for Config {
             }
             match &r.target {
                 Target::Upstream(u) => line += &format!(" -> {}", u.name),
-                Target::Respond { status, .. } => line += &format!(" -> respond {}", status.as_u16()),
+                Target::Respond { status, .. } => {
+                    line += &format!(" -> respond {}", status.as_u16())
+                }
             }
             if let Some(p) = &r.policy {
                 line += &format!(", policy {}", p.name);

@@ -152,7 +152,11 @@ impl Proxy {
         let host = request_host(&req)?;
         let route = state
             .router
-            .find(req.method(), host.as_ref().and_then(|h| h.to_str().ok()), req.uri().path())
+            .find(
+                req.method(),
+                host.as_ref().and_then(|h| h.to_str().ok()),
+                req.uri().path(),
+            )
             .ok_or(ProxyError::NoRoute)?;
         ctx.route = Some(route.name.clone());
 
@@ -168,7 +172,10 @@ impl Proxy {
                 .decide(policy, route.cost, client, req.headers(), req.uri().query())
                 .await;
             match verdict {
-                Ok(Verdict::Allowed { binding: b, ticket: t }) => {
+                Ok(Verdict::Allowed {
+                    binding: b,
+                    ticket: t,
+                }) => {
                     ctx.decision = "allowed";
                     binding = Some(b);
                     ticket = Some(t);
@@ -184,7 +191,13 @@ impl Proxy {
                         retry_after: b.retry_ms.div_ceil(1000).max(1),
                     }
                     .response();
-                    ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b, self.clock.now_ms());
+                    ratelimit_headers::write(
+                        resp.headers_mut(),
+                        config.headers,
+                        policy,
+                        &b,
+                        self.clock.now_ms(),
+                    );
                     return Ok(resp);
                 }
                 Err(e) => {
@@ -206,14 +219,23 @@ impl Proxy {
             Err(e) => e.status(),
         };
         if let Some(ticket) = ticket {
-            let upstream_failed = outcome.as_ref().err().is_some_and(ProxyError::is_upstream_failure);
+            let upstream_failed = outcome
+                .as_ref()
+                .err()
+                .is_some_and(ProxyError::is_upstream_failure);
             if let Err(e) = self.limiter.settle(ticket, status, upstream_failed).await {
                 log_store_error(&e);
             }
         }
         let mut resp = outcome?;
         if let (Some(b), Some(policy)) = (binding, &route.policy) {
-            ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b, self.clock.now_ms());
+            ratelimit_headers::write(
+                resp.headers_mut(),
+                config.headers,
+                policy,
+                &b,
+                self.clock.now_ms(),
+            );
         }
         Ok(resp)
     }
@@ -242,8 +264,9 @@ impl Proxy {
             Target::Upstream(upstream) => upstream,
         };
         let server = forward::pick(upstream);
-        let req = forward::rewrite_request(req, upstream, server, peer.ip(), host.as_ref(), self.https)
-            .map_err(ProxyError::BadRequest)?;
+        let req =
+            forward::rewrite_request(req, upstream, server, peer.ip(), host.as_ref(), self.https)
+                .map_err(ProxyError::BadRequest)?;
         let timeout = self.state.load().config.server.upstream_timeout;
         let sent = Instant::now();
         let result = tokio::time::timeout(timeout, self.client.request(req)).await;
@@ -251,7 +274,9 @@ impl Proxy {
         let mut resp = match result {
             Err(_) => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
             Ok(Err(e)) if client_body_failed(&e) => {
-                return Err(ProxyError::BadRequest("the request body was malformed or cut off"));
+                return Err(ProxyError::BadRequest(
+                    "the request body was malformed or cut off",
+                ));
             }
             Ok(Err(e)) => {
                 tracing::warn!(upstream = %upstream.name, server = %server, error = %e, "upstream request failed");
@@ -286,7 +311,9 @@ fn request_host(req: &Request<Incoming>) -> Result<Option<HeaderValue>, ProxyErr
 fn client_body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause = e.source();
     while let Some(c) = cause {
-        if c.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_user) {
+        if c.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_user)
+        {
             return true;
         }
         cause = c.source();

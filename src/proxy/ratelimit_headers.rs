@@ -14,11 +14,20 @@ use http::header::HeaderValue;
 use crate::config::{HeaderStyle, Policy};
 use crate::limiter::Binding;
 
-pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &Binding, now_ms: u64) {
+pub fn write(
+    headers: &mut HeaderMap,
+    style: HeaderStyle,
+    policy: &Policy,
+    b: &Binding,
+    now_ms: u64,
+) {
     if matches!(style, HeaderStyle::XRateLimit | HeaderStyle::Both) {
         headers.insert("x-ratelimit-limit", HeaderValue::from(b.limit));
         headers.insert("x-ratelimit-remaining", HeaderValue::from(b.remaining));
-        headers.insert("x-ratelimit-reset", HeaderValue::from(b.reset_ms.div_ceil(1000)));
+        headers.insert(
+            "x-ratelimit-reset",
+            HeaderValue::from(b.reset_ms.div_ceil(1000)),
+        );
     }
     if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
         let name = |i: usize| item_name(policy, i);
@@ -29,15 +38,26 @@ pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &B
             .iter()
             .map(|&i| {
                 let l = &policy.limits[i];
-                format!("{};q={};w={}", name(i), l.limit, (l.window.as_millis() as u64).div_ceil(1000))
+                format!(
+                    "{};q={};w={}",
+                    name(i),
+                    l.limit,
+                    (l.window.as_millis() as u64).div_ceil(1000)
+                )
             })
             .collect();
         if let Ok(v) = HeaderValue::from_str(&list.join(", ")) {
             headers.insert("ratelimit-policy", v);
         }
         let t = b.reset_ms.saturating_sub(now_ms).div_ceil(1000);
-        let t = if b.retry_ms > 0 { t.max(b.retry_ms.div_ceil(1000)).max(1) } else { t };
-        if let Ok(v) = HeaderValue::from_str(&format!("{};r={};t={}", name(b.index), b.remaining, t)) {
+        let t = if b.retry_ms > 0 {
+            t.max(b.retry_ms.div_ceil(1000)).max(1)
+        } else {
+            t
+        };
+        if let Ok(v) =
+            HeaderValue::from_str(&format!("{};r={};t={}", name(b.index), b.remaining, t))
+        {
             headers.insert("ratelimit", v);
         }
     }
@@ -46,8 +66,18 @@ pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &B
 /// A structured-field string naming one limit: `"policy-window"`, e.g. `"standard-1m"`.
 fn item_name(policy: &Policy, i: usize) -> String {
     let l = &policy.limits[i];
-    let mut name = format!("{}-{}", policy.name, crate::config::duration::format(l.window));
-    if policy.limits.iter().filter(|o| o.window == l.window).count() > 1 {
+    let mut name = format!(
+        "{}-{}",
+        policy.name,
+        crate::config::duration::format(l.window)
+    );
+    if policy
+        .limits
+        .iter()
+        .filter(|o| o.window == l.window)
+        .count()
+        > 1
+    {
         name += &format!("-{i}");
     }
     // sf-string allows printable ASCII; escape quotes and backslashes.

@@ -31,13 +31,22 @@ struct Entry {
 }
 
 enum State {
-    Fixed { start: u64, count: u64 },
+    Fixed {
+        start: u64,
+        count: u64,
+    },
     /// (bucket index, units), oldest first.
-    Sliding { buckets: VecDeque<(u64, u64)> },
+    Sliding {
+        buckets: VecDeque<(u64, u64)>,
+    },
     /// (time ms, units, id), oldest first.
-    Log { entries: VecDeque<(u64, u64, u64)> },
+    Log {
+        entries: VecDeque<(u64, u64, u64)>,
+    },
     /// Theoretical arrival time, unix µs.
-    Gcra { tat_us: u64 },
+    Gcra {
+        tat_us: u64,
+    },
 }
 
 impl MemoryStore {
@@ -188,8 +197,11 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
             let oldest = live.first().map_or(b, |(i, _)| *i).min(b);
             let reset_ms = (oldest + n) * p;
             verdict(c.limit, used, cost, reset_ms, || {
-                free_after(live.iter().map(|&(i, u)| ((i + n) * p, u)), used + cost - c.limit)
-                    .map_or(c.window_ms, |t| t - now)
+                free_after(
+                    live.iter().map(|&(i, u)| ((i + n) * p, u)),
+                    used + cost - c.limit,
+                )
+                .map_or(c.window_ms, |t| t - now)
             })
         }
         (Algorithm::Log, state) => {
@@ -204,8 +216,11 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
             let used: u64 = live.iter().map(|(_, u)| u).sum();
             let reset_ms = live.first().map_or(now, |(t, _)| *t) + c.window_ms;
             verdict(c.limit, used, cost, reset_ms, || {
-                free_after(live.iter().map(|&(t, u)| (t + c.window_ms, u)), used + cost - c.limit)
-                    .map_or(c.window_ms, |t| t - now)
+                free_after(
+                    live.iter().map(|&(t, u)| (t + c.window_ms, u)),
+                    used + cost - c.limit,
+                )
+                .map_or(c.window_ms, |t| t - now)
             })
         }
         (Algorithm::Gcra { burst }, state) => {
@@ -239,7 +254,13 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
 }
 
 /// A counting algorithm's verdict: `used` units already taken of `limit`.
-fn verdict(limit: u64, used: u64, cost: u64, reset_ms: u64, retry: impl FnOnce() -> u64) -> CounterState {
+fn verdict(
+    limit: u64,
+    used: u64,
+    cost: u64,
+    reset_ms: u64,
+    retry: impl FnOnce() -> u64,
+) -> CounterState {
     if used + cost <= limit {
         CounterState {
             remaining: limit - used - cost,
@@ -292,7 +313,10 @@ fn charge(state: &mut State, c: &Counter, cost: u64, now: u64, id: u64) -> u64 {
             b
         }
         (State::Log { entries }, _) => {
-            while entries.front().is_some_and(|(t, _, _)| t + c.window_ms <= now) {
+            while entries
+                .front()
+                .is_some_and(|(t, _, _)| t + c.window_ms <= now)
+            {
                 entries.pop_front();
             }
             entries.push_back((now, cost, id));
@@ -322,7 +346,10 @@ fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
             }
         }
         (State::Log { entries }, Algorithm::Log) => {
-            if let Some(pos) = entries.iter().position(|&(t, _, id)| id == mark && t + c.window_ms > now) {
+            if let Some(pos) = entries
+                .iter()
+                .position(|&(t, _, id)| id == mark && t + c.window_ms > now)
+            {
                 entries.remove(pos);
             }
         }

@@ -97,7 +97,12 @@ impl Store {
     }
 
     /// Charges without checking (for `charge = "after"`, once the response is known).
-    pub async fn charge(&self, counters: &[Counter], cost: u64, now_ms: u64) -> Result<(), StoreError> {
+    pub async fn charge(
+        &self,
+        counters: &[Counter],
+        cost: u64,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
         match self {
             Store::Memory(m) => {
                 m.charge(counters, cost, now_ms);

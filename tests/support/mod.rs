@@ -85,7 +85,8 @@ async fn upstream_answer(
         let status = StatusCode::from_u16(code.parse().unwrap_or(500)).unwrap();
         let mut r = full(status, String::new());
         // A response with hop-by-hop headers the proxy must strip.
-        r.headers_mut().insert("keep-alive", "timeout=5".parse().unwrap());
+        r.headers_mut()
+            .insert("keep-alive", "timeout=5".parse().unwrap());
         r.headers_mut().insert("x-upstream", "yes".parse().unwrap());
         return Ok(r);
     }
@@ -278,7 +279,10 @@ pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
 pub async fn wait_until(mut cond: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while !cond() {
-        assert!(std::time::Instant::now() < deadline, "condition not met in 5 s");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "condition not met in 5 s"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }

@@ -1,0 +1,162 @@
+//! Configuration checking and the command line. Each file in
+//! `tests/fixtures/invalid/` holds one mistake and, on its first line, the
+//! message (`# expect: file:line: ...`) sluice must give for it.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn sluice() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
+}
+
+#[test]
+fn every_invalid_fixture_is_refused_with_its_file_line_and_key() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/invalid");
+    let mut seen = 0;
+    let mut wrong = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expect = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{} has no '# expect:' line", path.display()));
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let err = sluice::config::parse(&text, name, &dir)
+            .err()
+            .unwrap_or_else(|| panic!("{name} was accepted"))
+            .to_string();
+        if !err.starts_with(expect.trim_end()) {
+            wrong.push(format!("{name}:\n  expected: {expect}\n  got:      {err}"));
+        }
+        seen += 1;
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    assert!(seen >= 20, "only {seen} fixtures");
+}
+
+#[test]
+fn all_problems_are_reported_at_once() {
+    let text = "[policies.p]\nlimits = [{ limit = 0, window = \"1s\" }]\n[[routes]]\npath = \"/\"\nupstream = \"x\"\n";
+    let err = sluice::config::parse(text, "c.toml", Path::new("."))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err.lines().count(), 2, "{err}");
+    assert!(
+        err.contains("c.toml:2:") && err.contains("c.toml:5:"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shipped_config_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
+    let config = sluice::config::load(&path).unwrap();
+    assert!(!config.routes.is_empty());
+}
+
+#[test]
+fn version_flag() {
+    let out = sluice().arg("--version").output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("sluice {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn check_prints_the_compiled_config_or_the_problems() {
+    let good = sluice()
+        .args(["check", "--config"])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml"))
+        .output()
+        .unwrap();
+    assert!(good.status.success());
+    let listing = String::from_utf8_lossy(&good.stdout);
+    assert!(
+        listing.contains("=/ping -> respond 200, policy demo"),
+        "{listing}"
+    );
+    assert!(listing.contains("5 per 10s by ip, fixed"), "{listing}");
+
+    let bad = sluice()
+        .args(["check", "--config"])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/invalid/precision.toml"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("precision.toml:5: policy 'p'"), "{stderr}");
+
+    let missing = sluice()
+        .args(["check", "--config", "/nonexistent/sluice.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read"));
+}
+
+#[test]
+fn runs_from_the_command_line_and_exits_0_on_sigterm() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = std::env::temp_dir().join(format!("sluice-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n\
+             [[routes]]\npath = \"=/ping\"\nrespond = {{ status = 200, body = \"pong\" }}\n"
+        ),
+    )
+    .unwrap();
+    let mut child = sluice()
+        .env("SLUICE_CONFIG", &config)
+        .args(["--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the port to answer (an event, not a delay).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let reply = loop {
+        use std::io::{Read, Write};
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            s.write_all(b"GET /ping HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).unwrap();
+            break out;
+        }
+        assert!(Instant::now() < deadline, "sluice did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(reply.ends_with("pong"), "{reply}");
+
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    let mut logs = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut logs).unwrap();
+    // JSON logs, one access event for the request, without its query.
+    let access = logs
+        .lines()
+        .find(|l| l.contains("sluice::access"))
+        .unwrap_or_else(|| panic!("no access log in:\n{logs}"));
+    let event: serde_json::Value = serde_json::from_str(access).unwrap();
+    assert_eq!(event["fields"]["path"], "/ping");
+    assert_eq!(event["fields"]["status"], 200);
+    std::fs::remove_dir_all(&dir).ok();
+}
