@@ -284,7 +284,21 @@ impl fmt::Display for Config {
         }
         writeln!(f, "policies:")?;
         for p in &self.policies {
-            writeln!(f, "  {}: charge {:?}, mode {:?}", p.name, p.charge, p.mode)?;
+            let charge = match p.charge {
+                Charge::Reserve => "reserve",
+                Charge::After => "after",
+            };
+            let mode = match p.mode {
+                Mode::Enforce => "enforce",
+                Mode::Shadow => "shadow",
+            };
+            let refund: Vec<&str> = p.refund.iter().map(|s| s.as_str()).collect();
+            writeln!(
+                f,
+                "  {}: charge {charge} (refund {}), mode {mode}",
+                p.name,
+                refund.join(",")
+            )?;
             for l in &p.limits {
                 let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
                 writeln!(

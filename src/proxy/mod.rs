@@ -129,8 +129,8 @@ impl Proxy {
             route = ctx.route.as_deref().unwrap_or("-"),
             status = resp.status().as_u16(),
             decision = ctx.decision,
-            upstream_ms = ctx.upstream_time.map(|d| d.as_secs_f64() * 1000.0),
-            total_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
+            upstream_ms = ctx.upstream_time.map(millis),
+            total_ms = millis(ctx.started.elapsed()),
         );
         resp
     }
@@ -287,6 +287,11 @@ impl Proxy {
         forward::strip_hop_by_hop(resp.headers_mut());
         Ok(resp.map(Either::Left))
     }
+}
+
+/// Milliseconds to the microsecond, for the log.
+fn millis(d: Duration) -> f64 {
+    d.as_micros() as f64 / 1000.0
 }
 
 /// The request's host: the `Host` header, or for HTTP/2 the `:authority`.
