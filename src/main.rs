@@ -61,7 +61,8 @@ fn init_logs(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -92,6 +93,9 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(listen = %addr, workers, "sluice is serving");
+        if let Some(admin) = config.server.admin_listen {
+            tracing::warn!(%admin, "server.admin_listen is set, but admin endpoints are not available in this version yet");
+        }
         sluice::run(listener, config, shutdown_signal()).await?;
         tracing::info!("stopped");
         Ok(())

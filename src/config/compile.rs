@@ -236,6 +236,12 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         }
     }
     if let Some(tls) = &raw.tls {
+        // Refused rather than ignored: serving plain HTTP where TLS was asked
+        // for would be worse than not starting.
+        d.err(
+            &tls.span(),
+            "server.tls: TLS termination is not available in this version yet",
+        );
         let t = tls.get_ref();
         s.tls = Some(TlsFiles {
             cert: file(base, t.cert.get_ref()),
@@ -392,7 +398,10 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
 fn server_url(text: &str) -> Result<UpstreamServer, &'static str> {
     let uri: http::Uri = text.parse().map_err(|_| "not a URL")?;
     let scheme = uri.scheme().cloned().ok_or("needs http:// or https://")?;
-    if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
+    if scheme == http::uri::Scheme::HTTPS {
+        return Err("https:// upstreams are not available in this version yet");
+    }
+    if scheme != http::uri::Scheme::HTTP {
         return Err("needs http:// or https://");
     }
     let authority = uri.authority().cloned().ok_or("needs a host")?;
@@ -687,6 +696,15 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
             d.err(
                 &h.span(),
                 format!("{key}: host '{}' is not a host name", h.get_ref()),
+            );
+        } else if host
+            .rsplit_once(':')
+            .is_some_and(|(_, port)| !port.contains(']'))
+        {
+            // Requests match on the host without its port: this could never match.
+            d.err(
+                &h.span(),
+                format!("{key}: host '{}' must not include a port", h.get_ref()),
             );
         }
         host

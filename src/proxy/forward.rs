@@ -81,7 +81,7 @@ pub fn rewrite_request(
     }
     let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
         Some(prior) if headers.get_all("x-forwarded-for").iter().count() == 1 => {
-            format!("{prior}, {peer}")
+            format!("{prior}, {}", peer.to_canonical())
         }
         _ => {
             let mut all: Vec<&str> = headers
@@ -89,7 +89,7 @@ pub fn rewrite_request(
                 .iter()
                 .filter_map(|v| v.to_str().ok())
                 .collect();
-            let peer = peer.to_string();
+            let peer = peer.to_canonical().to_string();
             all.push(&peer);
             all.join(", ")
         }

@@ -211,7 +211,8 @@ impl Proxy {
         }
 
         // 4. forward
-        let outcome = self.forward(route, req, peer, host, ctx).await;
+        let timeout = config.server.upstream_timeout;
+        let outcome = self.forward(route, req, peer, host, timeout, ctx).await;
 
         // 5. settle
         let status = match &outcome {
@@ -246,6 +247,7 @@ impl Proxy {
         req: Request<Incoming>,
         peer: SocketAddr,
         host: Option<HeaderValue>,
+        timeout: Duration,
         ctx: &mut RequestCtx,
     ) -> Result<Response<Body>, ProxyError> {
         let upstream = match &route.target {
@@ -267,7 +269,6 @@ impl Proxy {
         let req =
             forward::rewrite_request(req, upstream, server, peer.ip(), host.as_ref(), self.https)
                 .map_err(ProxyError::BadRequest)?;
-        let timeout = self.state.load().config.server.upstream_timeout;
         let sent = Instant::now();
         let result = tokio::time::timeout(timeout, self.client.request(req)).await;
         ctx.upstream_time = Some(sent.elapsed());

@@ -230,7 +230,7 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
                 Some(State::Gcra { tat_us }) => (*tat_us).max(now_us),
                 _ => now_us,
             };
-            let new_tat = tat + cost * t;
+            let new_tat = tat.saturating_add(cost.saturating_mul(t));
             if new_tat - now_us <= cap {
                 CounterState {
                     remaining: (cap - (new_tat - now_us)) / t,
@@ -238,7 +238,7 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
                     retry_ms: 0,
                 }
             } else {
-                let wait_us = if cost * t > cap {
+                let wait_us = if cost.saturating_mul(t) > cap {
                     c.window_ms * 1000
                 } else {
                     new_tat - cap - now_us
@@ -324,7 +324,9 @@ fn charge(state: &mut State, c: &Counter, cost: u64, now: u64, id: u64) -> u64 {
         }
         (State::Gcra { tat_us }, Algorithm::Gcra { burst }) => {
             let (t, _) = gcra(c, burst);
-            *tat_us = (*tat_us).max(now * 1000) + cost * t;
+            *tat_us = (*tat_us)
+                .max(now * 1000)
+                .saturating_add(cost.saturating_mul(t));
             0
         }
         // The algorithm of a counter changed under its key (a reload); start anew.
@@ -355,7 +357,9 @@ fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
         }
         (State::Gcra { tat_us }, Algorithm::Gcra { burst }) => {
             let (t, _) = gcra(c, burst);
-            *tat_us = tat_us.saturating_sub(cost * t).max(now * 1000);
+            *tat_us = tat_us
+                .saturating_sub(cost.saturating_mul(t))
+                .max(now * 1000);
         }
         _ => {}
     }
