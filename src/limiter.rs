@@ -16,10 +16,6 @@ use crate::config::{Charge, Mode, Policy};
 use crate::identity::{self, Identity};
 use crate::store::{Counter, Store, StoreError};
 
-/// Identity values longer than this are stored as their SHA-256, so a client
-/// cannot make a counter's key, and the memory it takes, as large as it likes.
-const MAX_RAW_VALUE: usize = 64;
-
 pub struct Limiter {
     store: Store,
     clock: Clock,
@@ -186,23 +182,28 @@ fn counters(
     (counters, limit_of)
 }
 
-/// An unambiguous key: the policy name is length-prefixed, the limit id and spec
-/// are sluice's own text, and the value comes last, raw (tag 0) or hashed (tag 1).
+/// The key of one counter: `{TAG}:POLICY:LIMIT`, where TAG is the first 128
+/// bits of the SHA-256 of the identity (spec and value), in hex.
+///
+/// The value itself never appears in a key: whatever bytes a client sends, and
+/// however many, its keys have the same shape and size, and the `{...}` hash
+/// tag puts all counters of one identity in one Redis Cluster slot.
 pub fn counter_key(policy: &str, limit_id: &str, id: &Identity) -> Vec<u8> {
-    let spec = id.spec.to_string();
-    let mut key = Vec::with_capacity(policy.len() + limit_id.len() + spec.len() + 48);
-    key.extend_from_slice(&(policy.len() as u32).to_le_bytes());
-    key.extend_from_slice(policy.as_bytes());
-    key.extend_from_slice(limit_id.as_bytes());
-    key.push(0);
-    key.extend_from_slice(spec.as_bytes());
-    key.push(0);
-    if id.value.len() <= MAX_RAW_VALUE {
-        key.push(0);
-        key.extend_from_slice(&id.value);
-    } else {
-        key.push(1);
-        key.extend_from_slice(&Sha256::digest(&id.value));
+    let mut hasher = Sha256::new();
+    hasher.update(id.spec.to_string().as_bytes());
+    hasher.update([0]);
+    hasher.update(&id.value);
+    let digest = hasher.finalize();
+    let mut key = Vec::with_capacity(36 + policy.len() + limit_id.len());
+    key.push(b'{');
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for b in &digest[..16] {
+        key.push(HEX[usize::from(b >> 4)]);
+        key.push(HEX[usize::from(b & 15)]);
     }
+    key.extend_from_slice(b"}:");
+    key.extend_from_slice(policy.as_bytes());
+    key.push(b':');
+    key.extend_from_slice(limit_id.as_bytes());
     key
 }

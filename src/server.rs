@@ -18,12 +18,13 @@ use crate::limiter::Limiter;
 use crate::proxy::Proxy;
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
+use crate::store::redis::RedisStore;
 
 /// Why the server could not start or run.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("store backend \"redis\" is not available in this build yet")]
-    BackendUnavailable,
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: String,
@@ -51,7 +52,7 @@ impl Server {
     ) -> Result<Server, ServerError> {
         let store = match config.store.backend {
             Backend::Memory => Store::Memory(MemoryStore::new(config.store.max_keys)),
-            Backend::Redis => return Err(ServerError::BackendUnavailable),
+            Backend::Redis => Store::Redis(RedisStore::new(&config.store)?),
         };
         let limiter = Limiter::new(store, clock.clone());
         let proxy = Arc::new(Proxy::new(config, limiter, clock.clone(), false));
@@ -75,6 +76,12 @@ impl Server {
             clock,
         } = self;
         let sweeper = tokio::spawn(sweep(proxy.clone(), clock));
+        let preload = proxy.clone();
+        tokio::spawn(async move {
+            if let Store::Redis(r) = preload.limiter().store() {
+                r.preload().await;
+            }
+        });
         let graceful = GracefulShutdown::new();
         let builder = connection_builder(&proxy.state().config);
         tokio::pin!(shutdown);
@@ -153,7 +160,6 @@ async fn sweep(proxy: Arc<Proxy>, clock: Clock) {
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     loop {
         tick.tick().await;
-        #[allow(irrefutable_let_patterns)]
         if let Store::Memory(m) = proxy.limiter().store() {
             m.sweep(clock.now_ms());
         }

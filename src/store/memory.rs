@@ -183,7 +183,14 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
                 _ => 0,
             };
             let reset_ms = start + c.window_ms;
-            verdict(c.limit, count, cost, reset_ms, || reset_ms - now)
+            verdict(c.limit, count, cost, reset_ms, || {
+                // More than the limit can never pass: say so with a whole window.
+                if cost > c.limit {
+                    c.window_ms
+                } else {
+                    reset_ms - now
+                }
+            })
         }
         (Algorithm::Sliding { precision }, state) => {
             let (p, n, b) = buckets(c, precision.as_millis() as u64, now);

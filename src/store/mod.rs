@@ -2,6 +2,7 @@
 //! several counters at once, all-or-nothing, and later to refund or charge.
 //!
 //! - `memory.rs`: in this process only; the default, no Redis needed.
+//! - `redis.rs`: shared by every instance; the algorithms are Lua scripts in `lua/`.
 //!
 //! Every store implements the same four algorithms with the same results, so a
 //! policy behaves the same whatever it is stored in. What the algorithms mean:
@@ -15,6 +16,7 @@
 //!   a request passes if the TAT stays within `burst` units of now.
 
 pub mod memory;
+pub mod redis;
 
 use crate::config::Algorithm;
 
@@ -62,6 +64,7 @@ pub enum StoreError {
 /// The configured store.
 pub enum Store {
     Memory(memory::MemoryStore),
+    Redis(redis::RedisStore),
 }
 
 impl Store {
@@ -76,6 +79,7 @@ impl Store {
     ) -> Result<Outcome, StoreError> {
         match self {
             Store::Memory(m) => Ok(m.acquire(counters, cost, charge, now_ms)),
+            Store::Redis(r) => r.acquire(counters, cost, u8::from(charge), now_ms).await,
         }
     }
 
@@ -93,6 +97,7 @@ impl Store {
                 m.refund(counters, marks, cost, now_ms);
                 Ok(())
             }
+            Store::Redis(r) => r.refund(counters, marks, cost, now_ms).await,
         }
     }
 
@@ -108,6 +113,7 @@ impl Store {
                 m.charge(counters, cost, now_ms);
                 Ok(())
             }
+            Store::Redis(r) => r.acquire(counters, cost, 2, now_ms).await.map(|_| ()),
         }
     }
 }

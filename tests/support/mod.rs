@@ -294,3 +294,112 @@ pub async fn dead_port() -> SocketAddr {
     drop(l);
     addr
 }
+
+/// A real `redis-server` on a free loopback port, stopped when dropped.
+pub struct RedisServer {
+    pub port: u16,
+    child: std::process::Child,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (.ci/run installs it)");
+        let server = RedisServer { port, child };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut c) = server.client().get_connection() {
+                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                    return server;
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).unwrap()
+    }
+
+    pub fn conn(&self) -> redis::Connection {
+        self.client().get_connection().unwrap()
+    }
+
+    /// Calls of one command since the last `CONFIG RESETSTAT`.
+    pub fn calls(&self, command: &str) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.conn())
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    }
+
+    /// Commands sent by clients (round trips) since the last reset: every
+    /// call counted by `INFO commandstats`, less the test's own INFO/CONFIG and
+    /// less the commands our Lua scripts run inside an EVALSHA (Redis counts
+    /// those too).
+    pub fn round_trips(&self) -> u64 {
+        const INSIDE_SCRIPTS: [&str; 13] = [
+            "hgetall",
+            "hincrby",
+            "hdel",
+            "hget",
+            "pexpire",
+            "zremrangebyscore",
+            "zcard",
+            "zrange",
+            "zadd",
+            "zrem",
+            "get",
+            "set",
+            "time",
+        ];
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.conn())
+            .unwrap();
+        info.lines()
+            .filter_map(|l| l.strip_prefix("cmdstat_"))
+            .filter_map(|l| l.split_once(":calls="))
+            .filter(|(name, _)| {
+                let base = name.split('|').next().unwrap();
+                base != "info" && base != "config" && !INSIDE_SCRIPTS.contains(&base)
+            })
+            .map(|(_, rest)| rest.split(',').next().unwrap().parse::<u64>().unwrap())
+            .sum()
+    }
+
+    pub fn reset_stats(&self) {
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut self.conn())
+            .unwrap();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,302 @@
+//! The Redis store end to end: a real redis-server per test, real upstream,
+//! real client, sluice in-process.
+
+mod support;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use sluice::clock::Clock;
+use support::*;
+
+fn config(redis: &RedisServer, upstream: &Upstream, clock: &str, policy: &str) -> String {
+    format!(
+        r#"
+[store]
+backend = "redis"
+url = "{redis}"
+timeout = "500ms"
+clock = "{clock}"
+prefix = "t:"
+
+[headers]
+style = "both"
+
+[upstreams.api]
+url = "{upstream}"
+
+{policy}
+
+[[routes]]
+path = "/"
+upstream = "api"
+policy = "p"
+"#,
+        redis = redis.url(),
+        upstream = upstream.url(),
+    )
+}
+
+/// A clock just past the start of a window, so a test has the whole window.
+fn clock_at_window_start(window_ms: u64) -> Clock {
+    let clock = Clock::system();
+    let now = clock.now_ms();
+    clock.set_offset_ms((window_ms - now % window_ms) as i64 + 1);
+    clock
+}
+
+#[tokio::test]
+async fn one_evalsha_per_decision_and_one_more_per_refund() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 3, window = \"1m\" }, { limit = 100, window = \"1h\", precision = \"1m\" }]";
+    let s = Sluice::start_with_clock(
+        &config(&redis, &up, "local", policy),
+        clock_at_window_start(60_000),
+    )
+    .await;
+    // Make sure both scripts are loaded (sluice preloads them, but does not
+    // wait for it); count from then on.
+    assert_eq!(
+        get(&s.url("/status/304"), &[]).await.status,
+        StatusCode::NOT_MODIFIED
+    );
+    redis.reset_stats();
+
+    let allowed = get(&s.url("/a"), &[]).await;
+    assert_eq!(allowed.status, StatusCode::OK);
+    assert_eq!(
+        redis.round_trips(),
+        1,
+        "an allowed request is one Redis command"
+    );
+    assert_eq!(redis.calls("evalsha"), 1);
+
+    redis.reset_stats();
+    let refunded = get(&s.url("/status/304"), &[]).await;
+    assert_eq!(refunded.status, StatusCode::NOT_MODIFIED);
+    assert_eq!(
+        redis.calls("evalsha"),
+        2,
+        "a refunded request: decision + refund"
+    );
+    assert_eq!(redis.round_trips(), 2);
+
+    assert_eq!(get(&s.url("/b"), &[]).await.status, StatusCode::OK);
+    assert_eq!(get(&s.url("/b"), &[]).await.status, StatusCode::OK);
+    redis.reset_stats();
+    let denied = get(&s.url("/c"), &[]).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        redis.round_trips(),
+        1,
+        "a rejection is answered from the deciding call"
+    );
+    // The headers came from that call.
+    assert_eq!(denied.header_u64("x-ratelimit-limit"), 3);
+    assert_eq!(denied.header_u64("x-ratelimit-remaining"), 0);
+    assert!(denied.header_u64("retry-after") >= 1);
+    assert_eq!(up.hits(), 5);
+}
+
+#[tokio::test]
+async fn script_flush_is_invisible_to_clients() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 100, window = \"1m\" }]";
+    let s = Sluice::start(&config(&redis, &up, "redis", policy)).await;
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut redis.conn())
+        .unwrap();
+    let r = get(&s.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        r.header_u64("x-ratelimit-remaining"),
+        98,
+        "the count survived the flush"
+    );
+}
+
+#[tokio::test]
+async fn instances_with_disagreeing_clocks_share_one_exact_limit() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 10, window = \"1h\" }]";
+    let cfg = config(&redis, &up, "redis", policy);
+    // Half an hour apart: with local clocks they would count in different windows.
+    let early = Clock::system();
+    early.set_offset_ms(-30 * 60 * 1000);
+    let late = Clock::system();
+    late.set_offset_ms(30 * 60 * 1000);
+    let a = Sluice::start_with_clock(&cfg, early).await;
+    let b = Sluice::start_with_clock(&cfg, late).await;
+    let mut admitted = 0;
+    let mut resets = std::collections::HashSet::new();
+    for i in 0..30 {
+        let s = if i % 2 == 0 { &a } else { &b };
+        let r = get(&s.url("/"), &[]).await;
+        if r.status == StatusCode::OK {
+            admitted += 1;
+            resets.insert(r.header_u64("x-ratelimit-reset"));
+        }
+    }
+    assert_eq!(admitted, 10);
+    // Unless the hour turned during the test, both report the same reset.
+    assert!(resets.len() <= 2, "{resets:?}");
+}
+
+#[tokio::test]
+async fn every_algorithm_with_weighted_cost_through_redis() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [\n\
+        { limit = 10, window = \"1m\" },\n\
+        { limit = 10, window = \"1h\", precision = \"1m\" },\n\
+        { limit = 10, window = \"30s\", algorithm = \"log\" },\n\
+        { limit = 10, window = \"10s\", algorithm = \"gcra\", burst = 10 },\n]";
+    let s = Sluice::start_with_clock(
+        &config(&redis, &up, "local", policy),
+        clock_at_window_start(60_000),
+    )
+    .await;
+    let c = client();
+    let req = || {
+        http::Request::get(s.url("/x"))
+            .header("x-cost", "1")
+            .body(empty())
+            .unwrap()
+    };
+    for expected in [9, 8, 7] {
+        let r = send(&c, req()).await;
+        assert_eq!(r.header_u64("x-ratelimit-remaining"), expected);
+    }
+    // Every limit holds the same count: the IETF header lists them all.
+    let r = send(&c, req()).await;
+    let policy_header = r.header("ratelimit-policy").unwrap();
+    assert_eq!(
+        policy_header.matches(";q=10;").count(),
+        4,
+        "{policy_header}"
+    );
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("t:*")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(keys.len(), 4, "{keys:?}");
+    let log_key = keys.iter().find(|k| k.ends_with(":30s:log")).unwrap();
+    let units: u64 = redis::cmd("ZCARD")
+        .arg(log_key)
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(units, 4, "one sorted-set entry per charged unit");
+}
+
+#[tokio::test]
+async fn refunds_give_back_exactly_and_after_mode_charges_later() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 5, window = \"1m\" }, { limit = 5, window = \"1m\", algorithm = \"log\" }, { limit = 5, window = \"1m\", algorithm = \"gcra\", burst = 5 }]";
+    let s = Sluice::start_with_clock(
+        &config(&redis, &up, "local", policy),
+        clock_at_window_start(60_000),
+    )
+    .await;
+    for _ in 0..10 {
+        assert_eq!(
+            get(&s.url("/status/304"), &[]).await.status,
+            StatusCode::NOT_MODIFIED
+        );
+    }
+    let r = get(&s.url("/"), &[]).await;
+    assert_eq!(
+        r.header_u64("x-ratelimit-remaining"),
+        4,
+        "every 304 was refunded in every algorithm"
+    );
+
+    let after = "[policies.p]\ncharge = \"after\"\nlimits = [{ limit = 2, window = \"1m\" }]";
+    let redis2 = RedisServer::start();
+    let s2 = Sluice::start_with_clock(
+        &config(&redis2, &up, "local", after),
+        clock_at_window_start(60_000),
+    )
+    .await;
+    for _ in 0..4 {
+        assert_eq!(
+            get(&s2.url("/status/304"), &[]).await.status,
+            StatusCode::NOT_MODIFIED
+        );
+    }
+    assert_eq!(get(&s2.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(get(&s2.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(
+        get(&s2.url("/"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn ietf_headers_put_the_denying_limit_first() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 100, window = \"1h\" }, { limit = 1, window = \"10s\" }]";
+    let s = Sluice::start_with_clock(
+        &config(&redis, &up, "local", policy),
+        clock_at_window_start(3_600_000),
+    )
+    .await;
+    let ok = get(&s.url("/"), &[]).await;
+    assert_eq!(ok.header("ratelimit").unwrap(), "\"p-10s\";r=0;t=10");
+    let denied = get(&s.url("/"), &[]).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        denied.header("ratelimit-policy").unwrap(),
+        "\"p-10s\";q=1;w=10, \"p-1h\";q=100;w=3600"
+    );
+    let t: u64 = denied
+        .header("ratelimit")
+        .unwrap()
+        .rsplit("t=")
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(denied.header_u64("retry-after") >= t);
+    s.clock
+        .advance(Duration::from_secs(denied.header_u64("retry-after")));
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_dead_redis_fails_open_or_closed_within_the_timeout() {
+    let up = Upstream::start().await;
+    let dead = dead_port().await;
+    for (on_error, want) in [
+        ("allow", StatusCode::OK),
+        ("deny", StatusCode::SERVICE_UNAVAILABLE),
+    ] {
+        let cfg = format!(
+            "[store]\nbackend = \"redis\"\nurl = \"redis://{dead}\"\ntimeout = \"100ms\"\non_error = \"{on_error}\"\n\
+             [upstreams.api]\nurl = \"{}\"\n[policies.p]\nlimits = [{{ limit = 1, window = \"1m\" }}]\n\
+             [[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"\n",
+            up.url()
+        );
+        let s = Sluice::start(&cfg).await;
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let r = get(&s.url("/"), &[]).await;
+            assert_eq!(r.status, want);
+            assert!(
+                started.elapsed() < Duration::from_millis(600),
+                "{:?}",
+                started.elapsed()
+            );
+            if want == StatusCode::SERVICE_UNAVAILABLE {
+                assert_eq!(r.header("retry-after"), Some("1"));
+                assert_eq!(r.header("content-type"), Some("application/problem+json"));
+            }
+        }
+    }
+}
