@@ -437,7 +437,9 @@ async fn memory_stays_bounded_under_a_flood_of_identities() {
             .unwrap();
         assert_eq!(send(&c, req).await.status, StatusCode::OK);
     }
-    let Store::Memory(m) = s.proxy.limiter().store();
+    let Store::Memory(m) = s.proxy.limiter().store() else {
+        panic!("the memory store was configured");
+    };
     assert!(m.len() <= 50, "{} counters kept", m.len());
     assert!(!m.is_empty());
     // Idle identities are dropped once their window has passed.

@@ -317,10 +317,10 @@ impl RedisServer {
         let server = RedisServer { port, child };
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            if let Ok(mut c) = server.client().get_connection() {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return server;
-                }
+            if let Ok(mut c) = server.client().get_connection()
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return server;
             }
             assert!(
                 std::time::Instant::now() < deadline,
