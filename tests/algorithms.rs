@@ -69,6 +69,9 @@ fn algorithms() -> Vec<(u64, u64, Algorithm)> {
     ]
 }
 
+/// A charged request that may be refunded: counters, memory marks, redis marks, cost.
+type Ticket = (Vec<Counter>, Vec<u64>, Vec<u64>, u64);
+
 /// A start time on no particular boundary.
 const T0: u64 = 1_800_000_000_123;
 
@@ -92,8 +95,7 @@ async fn memory_and_redis_stores_decide_identically() {
             .collect();
         let mut now = T0;
         let (mut allowed, mut denied, mut refunds) = (0, 0, 0);
-        // Charged requests that may be refunded: (counters, memory marks, redis marks, cost).
-        let mut tickets: Vec<(Vec<Counter>, Vec<u64>, Vec<u64>, u64)> = Vec::new();
+        let mut tickets: Vec<Ticket> = Vec::new();
         for step in 0..400 {
             match rng.below(10) {
                 0..=1 => now += rng.below(1_500),
