@@ -287,6 +287,11 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
                     redact(url)
                 ),
             );
+        } else if url.starts_with("rediss://") {
+            d.err(
+                &v.span(),
+                format!("{key}: rediss:// (TLS to Redis) is not available in this version yet"),
+            );
         }
     };
     if let Some(v) = &r.url {
@@ -304,6 +309,10 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
             check_url(d, &format!("store.cluster[{i}]"), v);
             s.cluster.push(v.get_ref().clone());
         }
+        d.err(
+            &list.span(),
+            "store.cluster: Redis Cluster is not available in this version yet; use url",
+        );
     }
     if s.backend == Backend::Redis {
         match (&r.url, &r.cluster) {
@@ -316,6 +325,10 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
         s.timeout = duration_value(d, "store.timeout", v).unwrap_or(s.timeout);
     }
     if let Some(v) = &r.ca {
+        d.err(
+            &v.span(),
+            "store.ca: TLS to Redis is not available in this version yet",
+        );
         s.ca = Some(file(base, v.get_ref()));
     }
     if let Some(v) = &r.on_error {

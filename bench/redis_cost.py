@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Redis cost of sluice's decision script, measured on a private redis-server.
+
+For the policy 10/1s + 120/1m + 240/1h (precision 1m), it reports:
+  - Redis CPU microseconds per decision (INFO commandstats, evalsha usec_per_call),
+    with every identity's hour window full (60 live buckets);
+  - bytes of Redis memory per identity once its hour window is full
+    (INFO memory used_memory, over IDENTITIES identities, minus the empty baseline).
+
+It drives lua/acquire.lua exactly as sluice does (same keys, same arguments, the
+local clock mode so that an hour of traffic can be replayed in seconds).
+
+    python3 bench/redis_cost.py [IDENTITIES]      # needs redis-server and `pip install redis`
+"""
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import redis
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDENTITIES = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
+# (limit, window ms, algorithm code, param): as src/store/redis.rs sends them.
+LIMITS = [(10, 1000, 1, 1000, "1s:fixed"), (120, 60000, 1, 60000, "1m:fixed"),
+          (240, 3600000, 1, 60000, "1h:sliding:1m")]
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def keys_for(ip):
+    tag = hashlib.sha256(b"ip\0" + ip.encode()).hexdigest()[:32]
+    return ["sluice:{%s}:standard:%s" % (tag, lid) for (_, _, _, _, lid) in LIMITS]
+
+
+def main():
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(port=port)
+        for _ in range(200):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        script = r.register_script(open(os.path.join(ROOT, "lua", "acquire.lua")).read())
+        base = r.info("memory")["used_memory"]
+        start = 1_800_000_000_000
+        pipe_size = 500
+        # One request per identity per minute for an hour: 60 live buckets each.
+        for minute in range(60):
+            now = start + minute * 60000
+            pipe = r.pipeline(transaction=False)
+            for i in range(IDENTITIES):
+                ip = "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
+                args = [1, now, 1, i]
+                for (limit, window, alg, param, _) in LIMITS:
+                    args += [alg, limit, window, param]
+                script(keys=keys_for(ip), args=args, client=pipe)
+                if (i + 1) % pipe_size == 0:
+                    pipe.execute()
+            pipe.execute()
+            if minute == 58:
+                r.config_resetstat()
+        stats = r.info("commandstats")["cmdstat_evalsha"]
+        used = r.info("memory")["used_memory"] - base
+        print("identities: %d" % IDENTITIES)
+        print("redis CPU per decision (hour window full): %.2f us" % stats["usec_per_call"])
+        print("redis memory per identity (hour window full): %d bytes" % (used // IDENTITIES))
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
