@@ -12,11 +12,14 @@
 //! - [`store`]: where counters live (memory).
 //! - [`config`]: the TOML file, checked, with `file:line` errors.
 //! - [`clock`]: unix milliseconds, movable in tests.
+//! - [`admin`], [`metrics`]: `/healthz`, `/readyz`, `/metrics` on `admin_listen`.
 
+pub mod admin;
 pub mod clock;
 pub mod config;
 pub mod identity;
 pub mod limiter;
+pub mod metrics;
 pub mod proxy;
 pub mod router;
 pub mod server;

@@ -94,7 +94,7 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(listen = %addr, workers, "sluice is serving");
         if let Some(admin) = config.server.admin_listen {
-            tracing::warn!(%admin, "server.admin_listen is set, but admin endpoints are not available in this version yet");
+            tracing::info!(%admin, "admin endpoints: /healthz /readyz /metrics");
         }
         sluice::run(listener, config, shutdown_signal()).await?;
         tracing::info!("stopped");

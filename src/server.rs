@@ -35,6 +35,7 @@ pub enum ServerError {
 /// A configured server, not yet running: tests reach its proxy and clock.
 pub struct Server {
     listener: TcpListener,
+    admin: Option<TcpListener>,
     proxy: Arc<Proxy>,
     clock: Clock,
 }
@@ -58,9 +59,17 @@ impl Server {
         let proxy = Arc::new(Proxy::new(config, limiter, clock.clone(), false));
         Ok(Server {
             listener,
+            admin: None,
             proxy,
             clock,
         })
+    }
+
+    /// Serves the admin endpoints on `listener` (instead of binding
+    /// `server.admin_listen`).
+    pub fn with_admin(mut self, listener: TcpListener) -> Server {
+        self.admin = Some(listener);
+        self
     }
 
     pub fn proxy(&self) -> Arc<Proxy> {
@@ -69,12 +78,28 @@ impl Server {
 
     /// Serves until `shutdown` completes, then stops accepting and gives
     /// requests in flight up to `server.shutdown_timeout` to finish.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let Server {
             listener,
+            admin,
             proxy,
             clock,
         } = self;
+        let admin = match (admin, proxy.state().config.server.admin_listen) {
+            (Some(l), _) => Some(l),
+            (None, Some(addr)) => {
+                Some(
+                    TcpListener::bind(addr)
+                        .await
+                        .map_err(|source| ServerError::Listen {
+                            addr: addr.to_string(),
+                            source,
+                        })?,
+                )
+            }
+            (None, None) => None,
+        };
+        let admin = admin.map(|l| tokio::spawn(crate::admin::serve(l, proxy.clone())));
         let sweeper = tokio::spawn(sweep(proxy.clone(), clock));
         let preload = proxy.clone();
         tokio::spawn(async move {
@@ -125,6 +150,10 @@ impl Server {
             tracing::warn!("shutdown timeout reached; closing remaining connections");
         }
         sweeper.abort();
+        if let Some(admin) = admin {
+            admin.abort();
+        }
+        Ok(())
     }
 }
 
@@ -134,8 +163,7 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
-    Server::new(listener, config)?.run(shutdown).await;
-    Ok(())
+    Server::new(listener, config)?.run(shutdown).await
 }
 
 fn connection_builder(config: &Config) -> auto::Builder<TokioExecutor> {

@@ -394,6 +394,12 @@ async fn shadow_mode_counts_but_never_rejects() {
         assert_eq!(r.header_u64("x-ratelimit-remaining"), 0);
     }
     assert_eq!(up.hits(), 3);
+    // A metric counts the would-be rejections.
+    let sample =
+        |outcome: &str| format!("sluice_decisions_total{{policy=\"p\",outcome=\"{outcome}\"}}");
+    assert_eq!(s.metric(&sample("allowed")).await, 1.0);
+    assert_eq!(s.metric(&sample("shadow_limited")).await, 2.0);
+    assert_eq!(s.metric(&sample("limited")).await, 0.0);
 }
 
 #[tokio::test]

@@ -97,6 +97,22 @@ async fn one_evalsha_per_decision_and_one_more_per_refund() {
     assert_eq!(denied.header_u64("x-ratelimit-remaining"), 0);
     assert!(denied.header_u64("retry-after") >= 1);
     assert_eq!(up.hits(), 5);
+    let refunds = s.metric("sluice_refunds_total{policy=\"p\"}").await;
+    assert_eq!(refunds, 2.0, "the warm-up 304 and the counted one");
+    let metrics =
+        String::from_utf8_lossy(&get(&s.admin_url("/metrics"), &[]).await.body).into_owned();
+    assert!(
+        metrics.contains("sluice_requests_total{route=\"/\",status=\"429\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sluice_store_call_seconds_bucket"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sluice_upstream_seconds_count{upstream=\"api\"} 5"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]
@@ -284,6 +300,16 @@ async fn a_dead_redis_fails_open_or_closed_within_the_timeout() {
             up.url()
         );
         let s = Sluice::start(&cfg).await;
+        let ready = get(&s.admin_url("/readyz"), &[]).await;
+        assert_eq!(
+            ready.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "/readyz while Redis is down"
+        );
+        assert_eq!(
+            get(&s.admin_url("/healthz"), &[]).await.status,
+            StatusCode::OK
+        );
         for _ in 0..3 {
             let started = std::time::Instant::now();
             let r = get(&s.url("/"), &[]).await;
@@ -298,5 +324,6 @@ async fn a_dead_redis_fails_open_or_closed_within_the_timeout() {
                 assert_eq!(r.header("content-type"), Some("application/problem+json"));
             }
         }
+        assert_eq!(s.metric("sluice_store_errors_total").await, 3.0);
     }
 }

@@ -36,6 +36,7 @@ use crate::clock::Clock;
 use crate::config::{Config, OnError, Route, Target};
 use crate::identity;
 use crate::limiter::{Binding, Limiter, Ticket, Verdict};
+use crate::metrics::{Metrics, RouteStatus, UpstreamLabel};
 use crate::router::Router;
 use crate::store::StoreError;
 
@@ -63,6 +64,7 @@ pub struct Proxy {
     limiter: Limiter,
     client: Client<HttpConnector, Incoming>,
     clock: Clock,
+    metrics: Arc<Metrics>,
     /// Set when sluice terminates TLS: the scheme of `X-Forwarded-Proto`.
     https: bool,
 }
@@ -88,8 +90,13 @@ impl Proxy {
             limiter,
             client,
             clock,
+            metrics: Arc::new(Metrics::default()),
             https,
         }
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     pub fn state(&self) -> Arc<State> {
@@ -122,6 +129,13 @@ impl Proxy {
             Ok(resp) => resp,
             Err(e) => e.response(),
         };
+        self.metrics
+            .requests
+            .get_or_create(&RouteStatus {
+                route: ctx.route.clone().unwrap_or_else(|| "-".to_string()),
+                status: resp.status().as_u16(),
+            })
+            .inc();
         tracing::info!(
             target: "sluice::access",
             method = %method,
@@ -167,26 +181,33 @@ impl Proxy {
         let mut ticket: Option<Ticket> = None;
         let mut binding: Option<Binding> = None;
         if let Some(policy) = &route.policy {
+            let asked = Instant::now();
             let verdict = self
                 .limiter
                 .decide(policy, route.cost, client, req.headers(), req.uri().query())
                 .await;
+            self.metrics
+                .store_seconds
+                .observe(asked.elapsed().as_secs_f64());
             match verdict {
                 Ok(Verdict::Allowed {
                     binding: b,
                     ticket: t,
                 }) => {
                     ctx.decision = "allowed";
+                    self.metrics.decision(&policy.name, "allowed");
                     binding = Some(b);
                     ticket = Some(t);
                 }
                 Ok(Verdict::ShadowLimited { binding: b }) => {
                     ctx.decision = "shadow-limited";
+                    self.metrics.decision(&policy.name, "shadow_limited");
                     tracing::info!(policy = %policy.name, client = %client, "shadow policy would have limited this request");
                     binding = Some(b);
                 }
                 Ok(Verdict::Limited { binding: b }) => {
                     ctx.decision = "limited";
+                    self.metrics.decision(&policy.name, "limited");
                     let mut resp = ProxyError::Limited {
                         retry_after: b.retry_ms.div_ceil(1000).max(1),
                     }
@@ -202,6 +223,8 @@ impl Proxy {
                 }
                 Err(e) => {
                     ctx.decision = "store-error";
+                    self.metrics.decision(&policy.name, "store_error");
+                    self.metrics.store_errors.inc();
                     log_store_error(&e);
                     if config.store.on_error == OnError::Deny {
                         return Err(ProxyError::StoreUnavailable);
@@ -224,8 +247,21 @@ impl Proxy {
                 .as_ref()
                 .err()
                 .is_some_and(ProxyError::is_upstream_failure);
-            if let Err(e) = self.limiter.settle(ticket, status, upstream_failed).await {
-                log_store_error(&e);
+            let policy = route.policy.as_ref().map_or("-", |p| p.name.as_str());
+            match self.limiter.settle(ticket, status, upstream_failed).await {
+                Ok(true) => {
+                    self.metrics
+                        .refunds
+                        .get_or_create(&crate::metrics::PolicyLabel {
+                            policy: policy.to_string(),
+                        })
+                        .inc();
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    self.metrics.store_errors.inc();
+                    log_store_error(&e);
+                }
             }
         }
         let mut resp = outcome?;
@@ -272,6 +308,12 @@ impl Proxy {
         let sent = Instant::now();
         let result = tokio::time::timeout(timeout, self.client.request(req)).await;
         ctx.upstream_time = Some(sent.elapsed());
+        self.metrics
+            .upstream_seconds
+            .get_or_create(&UpstreamLabel {
+                upstream: upstream.name.clone(),
+            })
+            .observe(sent.elapsed().as_secs_f64());
         let mut resp = match result {
             Err(_) => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
             Ok(Err(e)) if client_body_failed(&e) => {

@@ -101,6 +101,14 @@ impl Store {
         }
     }
 
+    /// Whether the store answers (for `/readyz`).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(_) => Ok(()),
+            Store::Redis(r) => r.ping().await,
+        }
+    }
+
     /// Charges without checking (for `charge = "after"`, once the response is known).
     pub async fn charge(
         &self,

@@ -77,6 +77,17 @@ impl RedisStore {
         }
     }
 
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<String>(&mut conn);
+        match tokio::time::timeout(self.timeout, ping).await {
+            Err(_) => Err(StoreError::Timeout),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
     fn now_arg(&self, now_ms: u64) -> String {
         match self.clock {
             ClockSource::Redis => String::new(),

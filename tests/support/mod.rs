@@ -154,10 +154,12 @@ pub fn chunked_body(n: u64) -> BoxBody {
 /// sluice, running in this process.
 pub struct Sluice {
     pub addr: SocketAddr,
+    /// The admin listener (`/healthz`, `/readyz`, `/metrics`).
+    pub admin: SocketAddr,
     pub clock: Clock,
     pub proxy: Arc<Proxy>,
     stop: Option<oneshot::Sender<()>>,
-    done: Option<tokio::task::JoinHandle<()>>,
+    done: Option<tokio::task::JoinHandle<Result<(), sluice::ServerError>>>,
 }
 
 impl Sluice {
@@ -172,7 +174,11 @@ impl Sluice {
             .unwrap_or_else(|e| panic!("test config is invalid:\n{e}"));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let server = Server::with_clock(listener, config, clock.clone()).unwrap();
+        let admin_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = admin_listener.local_addr().unwrap();
+        let server = Server::with_clock(listener, config, clock.clone())
+            .unwrap()
+            .with_admin(admin_listener);
         let proxy = server.proxy();
         let (stop, stopped) = oneshot::channel();
         let done = tokio::spawn(server.run(async {
@@ -180,6 +186,7 @@ impl Sluice {
         }));
         Sluice {
             addr,
+            admin,
             clock,
             proxy,
             stop: Some(stop),
@@ -191,13 +198,30 @@ impl Sluice {
         format!("http://{}{}", self.addr, path)
     }
 
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    /// The value of one Prometheus sample, e.g.
+    /// `sluice_decisions_total{policy="p",outcome="allowed"}`; 0 if absent.
+    pub async fn metric(&self, sample: &str) -> f64 {
+        let text = get(&self.admin_url("/metrics"), &[]).await;
+        let text = String::from_utf8_lossy(&text.body).into_owned();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(sample)
+                    .and_then(|rest| rest.strip_prefix(' '))
+            })
+            .map_or(0.0, |v| v.trim().parse().unwrap())
+    }
+
     /// Stops accepting and waits for the drain to end.
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
         if let Some(done) = self.done.take() {
-            done.await.unwrap();
+            done.await.unwrap().unwrap();
         }
     }
 }

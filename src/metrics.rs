@@ -1,0 +1,114 @@
+//! Prometheus metrics, served as text on the admin listener's `/metrics`.
+//!
+//! Names (all prefixed `sluice_`): `requests_total{route,status}`,
+//! `decisions_total{policy,outcome}` (outcome: allowed, limited,
+//! shadow_limited, store_error), `refunds_total{policy}`, `store_errors_total`,
+//! `store_call_seconds` and `upstream_seconds{upstream}` (histograms).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteStatus {
+    pub route: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyOutcome {
+    pub policy: String,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabel {
+    pub policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamLabel {
+    pub upstream: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RouteStatus, Counter>,
+    pub decisions: Family<PolicyOutcome, Counter>,
+    pub refunds: Family<PolicyLabel, Counter>,
+    pub store_errors: Counter,
+    pub store_seconds: Histogram,
+    pub upstream_seconds: HistogramFamily<UpstreamLabel>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 100 µs to ~6.5 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 17))
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        let mut registry = Registry::with_prefix("sluice");
+        let requests = Family::default();
+        let decisions = Family::default();
+        let refunds = Family::default();
+        let store_errors = Counter::default();
+        let store_seconds = latency_histogram();
+        let upstream_seconds: HistogramFamily<UpstreamLabel> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register("requests", "Requests by route and status", requests.clone());
+        registry.register(
+            "decisions",
+            "Limiter decisions by policy and outcome",
+            decisions.clone(),
+        );
+        registry.register("refunds", "Charges given back, by policy", refunds.clone());
+        registry.register(
+            "store_errors",
+            "Store calls that failed or timed out",
+            store_errors.clone(),
+        );
+        registry.register(
+            "store_call_seconds",
+            "Latency of limiter decisions in the store",
+            store_seconds.clone(),
+        );
+        registry.register(
+            "upstream_seconds",
+            "Time to the upstream's response headers",
+            upstream_seconds.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            decisions,
+            refunds,
+            store_errors,
+            store_seconds,
+            upstream_seconds,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn decision(&self, policy: &str, outcome: &'static str) {
+        self.decisions
+            .get_or_create(&PolicyOutcome {
+                policy: policy.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
