@@ -9,7 +9,8 @@
 //! - [`router`]: which route a request belongs to.
 //! - [`identity`]: the client address and the identities limits count by.
 //! - [`limiter`]: policy → counters → verdict; the boundary stores plug into.
-//! - [`store`]: where counters live (memory).
+//! - [`deny_cache`]: denials remembered locally, so a flood costs the store nothing.
+//! - [`store`]: where counters live (memory, Redis).
 //! - [`config`]: the TOML file, checked, with `file:line` errors.
 //! - [`clock`]: unix milliseconds, movable in tests.
 //! - [`admin`], [`metrics`]: `/healthz`, `/readyz`, `/metrics` on `admin_listen`.
@@ -17,6 +18,7 @@
 pub mod admin;
 pub mod clock;
 pub mod config;
+pub mod deny_cache;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;

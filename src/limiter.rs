@@ -13,12 +13,16 @@ use sha2::{Digest, Sha256};
 
 use crate::clock::Clock;
 use crate::config::{Charge, Mode, Policy};
+use crate::deny_cache::DenyCache;
 use crate::identity::{self, Identity};
 use crate::store::{Counter, Store, StoreError};
 
 pub struct Limiter {
     store: Store,
     clock: Clock,
+    /// `store.deny_cache`: only for a remote store (the memory store is as
+    /// cheap as the cache).
+    deny_cache: Option<DenyCache>,
 }
 
 /// The numbers the rate-limit headers show: the limit that binds.
@@ -54,8 +58,18 @@ pub struct Ticket {
 }
 
 impl Limiter {
-    pub fn new(store: Store, clock: Clock) -> Limiter {
-        Limiter { store, clock }
+    pub fn new(store: Store, clock: Clock, deny_cache: bool) -> Limiter {
+        let deny_cache =
+            (deny_cache && !matches!(store, Store::Memory(_))).then(DenyCache::default);
+        Limiter {
+            store,
+            clock,
+            deny_cache,
+        }
+    }
+
+    pub fn deny_cache(&self) -> Option<&DenyCache> {
+        self.deny_cache.as_ref()
     }
 
     pub fn store(&self) -> &Store {
@@ -75,7 +89,35 @@ impl Limiter {
         let (counters, limit_of) = counters(policy, client, headers, query);
         let charge = policy.charge == Charge::Reserve;
         let now = self.clock.now_ms();
+        let cache = self
+            .deny_cache
+            .as_ref()
+            .filter(|_| policy.mode == Mode::Enforce);
+        if let Some(binding) =
+            cache.and_then(|c| c.check(counters.iter().map(|c| &c.key[..]), cost, now))
+        {
+            return Ok(Verdict::Limited { binding });
+        }
         let outcome = self.store.acquire(&counters, cost, charge, now).await?;
+        if let (Some(cache), false) = (cache, outcome.allowed) {
+            for (i, s) in outcome
+                .states
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.retry_ms > 0)
+            {
+                let l = &policy.limits[limit_of[i]];
+                let b = Binding {
+                    limit: l.limit,
+                    window_ms: l.window.as_millis() as u64,
+                    remaining: 0,
+                    reset_ms: s.reset_ms,
+                    retry_ms: s.retry_ms,
+                    index: limit_of[i],
+                };
+                cache.insert(&counters[i].key, cost, b, now);
+            }
+        }
 
         let binding = |i: usize| {
             let s = outcome.states[i];

@@ -55,7 +55,7 @@ impl Server {
             Backend::Memory => Store::Memory(MemoryStore::new(config.store.max_keys)),
             Backend::Redis => Store::Redis(RedisStore::new(&config.store)?),
         };
-        let limiter = Limiter::new(store, clock.clone());
+        let limiter = Limiter::new(store, clock.clone(), config.store.deny_cache);
         let proxy = Arc::new(Proxy::new(config, limiter, clock.clone(), false));
         Ok(Server {
             listener,

@@ -327,3 +327,42 @@ async fn a_dead_redis_fails_open_or_closed_within_the_timeout() {
         assert_eq!(s.metric("sluice_store_errors_total").await, 3.0);
     }
 }
+
+#[tokio::test]
+async fn deny_cache_makes_an_abusive_client_free_for_redis() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 2, window = \"1m\" }]";
+    for deny_cache in [true, false] {
+        let cfg = config(&redis, &up, "local", policy).replace(
+            "prefix = \"t:\"",
+            &format!("prefix = \"t{deny_cache}:\"\ndeny_cache = {deny_cache}"),
+        );
+        let s = Sluice::start_with_clock(&cfg, clock_at_window_start(60_000)).await;
+        get(&s.url("/"), &[]).await;
+        get(&s.url("/"), &[]).await;
+        redis.reset_stats();
+        let first = get(&s.url("/"), &[]).await;
+        assert_eq!(first.status, StatusCode::TOO_MANY_REQUESTS);
+        for _ in 0..50 {
+            let r = get(&s.url("/"), &[]).await;
+            assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(
+                r.header("x-ratelimit-reset"),
+                first.header("x-ratelimit-reset")
+            );
+            assert_eq!(r.header_u64("x-ratelimit-remaining"), 0);
+            assert!(r.header_u64("retry-after") >= 1);
+        }
+        let trips = redis.round_trips();
+        if deny_cache {
+            assert_eq!(trips, 1, "only the first rejection asked Redis");
+            // Once the window has passed, the client is served again.
+            s.clock
+                .advance(Duration::from_secs(first.header_u64("retry-after")));
+            assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+        } else {
+            assert_eq!(trips, 51);
+        }
+    }
+}
