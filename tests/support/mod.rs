@@ -311,6 +311,22 @@ pub async fn wait_until(mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Polls an async condition until it holds (at most 5 s).
+pub async fn wait_until_async<F, Fut>(mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !cond().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "condition not met in 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 /// A loopback port with nothing listening on it.
 pub async fn dead_port() -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -332,6 +348,11 @@ impl RedisServer {
             .local_addr()
             .unwrap()
             .port();
+        Self::start_on(port)
+    }
+
+    /// Starts a redis-server on `port` (e.g. again, after [`RedisServer::kill`]).
+    pub fn start_on(port: u16) -> RedisServer {
         let child = std::process::Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -421,8 +442,31 @@ impl RedisServer {
     }
 }
 
+impl RedisServer {
+    /// Kills the server (SIGKILL): a crash, not a shutdown.
+    pub fn kill(mut self) -> u16 {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.port
+    }
+
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: a hung Redis.
+    pub fn signal(&self, signal: &str) {
+        assert!(self.send_signal(signal), "kill {signal} failed");
+    }
+
+    fn send_signal(&self, signal: &str) -> bool {
+        std::process::Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        self.send_signal("-CONT");
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

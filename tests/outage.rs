@@ -1,0 +1,175 @@
+//! Redis outages: killed, hung (SIGSTOP), restarted, scripts flushed. No
+//! request waits longer than `store.timeout`, and limiting comes back by itself.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use support::*;
+
+const TIMEOUT_MS: u64 = 100;
+
+async fn start(redis_port: u16, upstream: &Upstream, on_error: &str, limit: u64) -> Sluice {
+    let cfg = format!(
+        r#"
+[store]
+backend = "redis"
+url = "redis://127.0.0.1:{redis_port}/0"
+timeout = "{TIMEOUT_MS}ms"
+on_error = "{on_error}"
+deny_cache = false
+
+[upstreams.api]
+url = "{}"
+
+[policies.p]
+limits = [{{ limit = {limit}, window = "1h" }}]
+
+[[routes]]
+path = "/"
+upstream = "api"
+policy = "p"
+"#,
+        upstream.url()
+    );
+    Sluice::start(&cfg).await
+}
+
+/// GETs `/`, returning the status and how long it took.
+async fn timed(s: &Sluice) -> (StatusCode, Duration) {
+    let started = Instant::now();
+    let r = get(&s.url("/"), &[]).await;
+    (r.status, started.elapsed())
+}
+
+/// The slowest of `n` requests, all expected to have `want`.
+async fn slowest(s: &Sluice, n: usize, want: StatusCode) -> Duration {
+    let mut worst = Duration::ZERO;
+    for _ in 0..n {
+        let (status, took) = timed(s).await;
+        assert_eq!(status, want);
+        worst = worst.max(took);
+    }
+    worst
+}
+
+#[tokio::test]
+async fn killed_redis_fails_open_fast_and_limiting_resumes_when_it_returns() {
+    let up = Upstream::start().await;
+    let redis = RedisServer::start();
+    let s = start(redis.port, &up, "allow", 3).await;
+    for _ in 0..3 {
+        assert_eq!(timed(&s).await.0, StatusCode::OK);
+    }
+    assert_eq!(timed(&s).await.0, StatusCode::TOO_MANY_REQUESTS);
+
+    let port = redis.kill();
+    let worst = slowest(&s, 10, StatusCode::OK).await;
+    let bound = Duration::from_millis(TIMEOUT_MS + 50);
+    assert!(worst < bound, "slowest request with Redis dead: {worst:?}");
+    assert!(s.metric("sluice_store_errors_total").await >= 10.0);
+
+    // Back, empty (a restart without persistence): limiting resumes by itself.
+    let _redis = RedisServer::start_on(port);
+    let back = Instant::now();
+    let mut statuses = Vec::new();
+    loop {
+        let (status, took) = timed(&s).await;
+        assert!(took < bound, "{took:?}");
+        statuses.push(status);
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            break;
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(1),
+            "not limiting 1 s after Redis came back: {statuses:?}"
+        );
+    }
+    let counted = statuses.len();
+    assert!(counted >= 4, "{statuses:?}");
+    eprintln!(
+        "first limited request {:?} after Redis came back",
+        back.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn hung_redis_is_treated_like_a_dead_one() {
+    let up = Upstream::start().await;
+    let redis = RedisServer::start();
+    for (on_error, want) in [
+        ("allow", StatusCode::OK),
+        ("deny", StatusCode::SERVICE_UNAVAILABLE),
+    ] {
+        let s = start(redis.port, &up, on_error, 1000).await;
+        assert_eq!(timed(&s).await.0, StatusCode::OK);
+        redis.signal("-STOP");
+        let worst = slowest(&s, 5, want).await;
+        redis.signal("-CONT");
+        let bound = Duration::from_millis(TIMEOUT_MS + 50);
+        assert!(
+            worst < bound,
+            "{on_error}: slowest request with Redis hung: {worst:?}"
+        );
+        // Thawed: answers again within a second.
+        let thawed = Instant::now();
+        loop {
+            let r = get(&s.url("/"), &[]).await;
+            if r.header("x-ratelimit-remaining").is_some() {
+                break;
+            }
+            assert!(
+                thawed.elapsed() < Duration::from_secs(1),
+                "{on_error}: not limiting 1 s after SIGCONT"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_and_script_flush_under_load_give_no_client_errors() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let up = Upstream::start().await;
+    let redis = RedisServer::start();
+    let s = Arc::new(start(redis.port, &up, "allow", 1_000_000).await);
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut load = Vec::new();
+    for _ in 0..8 {
+        let (s, stop, done) = (s.clone(), stop.clone(), done.clone());
+        load.push(tokio::spawn(async move {
+            let c = client();
+            while !stop.load(Ordering::Relaxed) {
+                let req = http::Request::get(s.url("/")).body(empty()).unwrap();
+                assert_eq!(send(&c, req).await.status, StatusCode::OK);
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    // Each event happens while the load runs: wait for 50 more requests around it.
+    let more = |n: u64| {
+        let done = done.clone();
+        let target = done.load(Ordering::Relaxed) + n;
+        async move { wait_until(|| done.load(Ordering::Relaxed) >= target).await }
+    };
+    more(50).await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut redis.conn())
+        .unwrap();
+    more(50).await;
+    let port = redis.kill();
+    more(50).await;
+    let redis = RedisServer::start_on(port);
+    more(50).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in load {
+        t.await.unwrap();
+    }
+    // And the counts are Redis's again.
+    let r = get(&s.url("/"), &[]).await;
+    assert!(r.header("x-ratelimit-remaining").is_some());
+    drop(redis);
+}
