@@ -19,6 +19,8 @@ struct Entry {
     /// Unix ms until which the counter cannot give `cost` units.
     until_ms: u64,
     cost: u64,
+    /// `binding.reset_ms` on this host's clock.
+    reset_at_ms: u64,
     binding: Binding,
 }
 
@@ -45,6 +47,7 @@ impl DenyCache {
             .max_by_key(|e| e.until_ms)
             .map(|e| Binding {
                 retry_ms: e.until_ms - now,
+                reset_in_ms: e.reset_at_ms.saturating_sub(now),
                 remaining: 0,
                 ..e.binding
             })
@@ -64,6 +67,7 @@ impl DenyCache {
             Entry {
                 until_ms: now + binding.retry_ms,
                 cost,
+                reset_at_ms: now + binding.reset_in_ms,
                 binding,
             },
         );

@@ -32,6 +32,9 @@ pub struct Binding {
     pub window_ms: u64,
     pub remaining: u64,
     pub reset_ms: u64,
+    /// Ms from the decision to `reset_ms`, on the store's own clock (the
+    /// proxy's may disagree with Redis's).
+    pub reset_in_ms: u64,
     /// Ms until a retry can pass; 0 when allowed.
     pub retry_ms: u64,
     /// Index of the limit in its policy.
@@ -112,6 +115,7 @@ impl Limiter {
                     window_ms: l.window.as_millis() as u64,
                     remaining: 0,
                     reset_ms: s.reset_ms,
+                    reset_in_ms: s.reset_ms.saturating_sub(outcome.now_ms),
                     retry_ms: s.retry_ms,
                     index: limit_of[i],
                 };
@@ -127,6 +131,7 @@ impl Limiter {
                 window_ms: l.window.as_millis() as u64,
                 remaining: if outcome.allowed { s.remaining } else { 0 },
                 reset_ms: s.reset_ms,
+                reset_in_ms: s.reset_ms.saturating_sub(outcome.now_ms),
                 retry_ms: s.retry_ms,
                 index: limit_of[i],
             }
@@ -149,6 +154,7 @@ impl Limiter {
             window_ms: 0,
             remaining: 0,
             reset_ms: now,
+            reset_in_ms: 0,
             retry_ms: 0,
             index: 0,
         });

@@ -62,7 +62,10 @@ fn init_logs(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+        );
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

@@ -56,7 +56,7 @@ impl Server {
             Backend::Redis => Store::Redis(RedisStore::new(&config.store)?),
         };
         let limiter = Limiter::new(store, clock.clone(), config.store.deny_cache);
-        let proxy = Arc::new(Proxy::new(config, limiter, clock.clone(), false));
+        let proxy = Arc::new(Proxy::new(config, limiter, false));
         Ok(Server {
             listener,
             admin: None,

@@ -63,7 +63,6 @@ pub struct Proxy {
     state: ArcSwap<State>,
     limiter: Limiter,
     client: Client<HttpConnector, Incoming>,
-    clock: Clock,
     metrics: Arc<Metrics>,
     /// Set when sluice terminates TLS: the scheme of `X-Forwarded-Proto`.
     https: bool,
@@ -78,7 +77,7 @@ struct RequestCtx {
 }
 
 impl Proxy {
-    pub fn new(config: Config, limiter: Limiter, clock: Clock, https: bool) -> Proxy {
+    pub fn new(config: Config, limiter: Limiter, https: bool) -> Proxy {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_keepalive(Some(Duration::from_secs(60)));
@@ -89,7 +88,6 @@ impl Proxy {
             state: ArcSwap::from_pointee(State::new(config)),
             limiter,
             client,
-            clock,
             metrics: Arc::new(Metrics::default()),
             https,
         }
@@ -212,13 +210,7 @@ impl Proxy {
                         retry_after: b.retry_ms.div_ceil(1000).max(1),
                     }
                     .response();
-                    ratelimit_headers::write(
-                        resp.headers_mut(),
-                        config.headers,
-                        policy,
-                        &b,
-                        self.clock.now_ms(),
-                    );
+                    ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b);
                     return Ok(resp);
                 }
                 Err(e) => {
@@ -266,13 +258,7 @@ impl Proxy {
         }
         let mut resp = outcome?;
         if let (Some(b), Some(policy)) = (binding, &route.policy) {
-            ratelimit_headers::write(
-                resp.headers_mut(),
-                config.headers,
-                policy,
-                &b,
-                self.clock.now_ms(),
-            );
+            ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b);
         }
         Ok(resp)
     }

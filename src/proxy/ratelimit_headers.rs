@@ -14,13 +14,7 @@ use http::header::HeaderValue;
 use crate::config::{HeaderStyle, Policy};
 use crate::limiter::Binding;
 
-pub fn write(
-    headers: &mut HeaderMap,
-    style: HeaderStyle,
-    policy: &Policy,
-    b: &Binding,
-    now_ms: u64,
-) {
+pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &Binding) {
     if matches!(style, HeaderStyle::XRateLimit | HeaderStyle::Both) {
         headers.insert("x-ratelimit-limit", HeaderValue::from(b.limit));
         headers.insert("x-ratelimit-remaining", HeaderValue::from(b.remaining));
@@ -49,7 +43,7 @@ pub fn write(
         if let Ok(v) = HeaderValue::from_str(&list.join(", ")) {
             headers.insert("ratelimit-policy", v);
         }
-        let t = b.reset_ms.saturating_sub(now_ms).div_ceil(1000);
+        let t = b.reset_in_ms.div_ceil(1000);
         let t = if b.retry_ms > 0 {
             t.max(b.retry_ms.div_ceil(1000)).max(1)
         } else {

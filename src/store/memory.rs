@@ -84,6 +84,7 @@ impl MemoryStore {
         }
         Outcome {
             allowed,
+            now_ms: now,
             states,
             marks,
         }

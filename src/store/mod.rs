@@ -46,6 +46,9 @@ pub struct CounterState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     pub allowed: bool,
+    /// The store's clock at the decision (Redis `TIME` with `clock = "redis"`):
+    /// the reference for `reset_ms`.
+    pub now_ms: u64,
     /// One per counter, in order.
     pub states: Vec<CounterState>,
     /// One per counter: which bucket was charged, so a refund hits the same one.

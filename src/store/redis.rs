@@ -152,6 +152,7 @@ impl RedisStore {
         }
         Ok(Outcome {
             allowed: reply[0] == 1,
+            now_ms: u(reply[1]),
             states,
             marks,
         })
