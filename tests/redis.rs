@@ -158,7 +158,14 @@ async fn instances_with_disagreeing_clocks_share_one_exact_limit() {
             resets.insert(r.header_u64("x-ratelimit-reset"));
         }
         // Seconds to the reset are measured on Redis's clock, not the skewed one.
-        let t: u64 = r.header("ratelimit").unwrap().rsplit("t=").next().unwrap().parse().unwrap();
+        let t: u64 = r
+            .header("ratelimit")
+            .unwrap()
+            .rsplit("t=")
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
         assert!(t <= 3600, "t={t}");
     }
     assert_eq!(admitted, 10);
