@@ -55,12 +55,13 @@ for i = 1, #KEYS do
     local live, stale, used = {}, {}, 0
     for j = 1, #flat, 2 do
       local idx = tonumber(flat[j])
-      if idx + n > b then
-        local units = tonumber(flat[j + 1])
+      local units = tonumber(flat[j + 1])
+      if idx + n <= b then
+        stale[#stale + 1] = flat[j]
+      elseif units > 0 then
+        -- A bucket refunded to zero counts for nothing, not even the reset.
         used = used + units
         live[#live + 1] = {idx, units}
-      else
-        stale[#stale + 1] = flat[j]
       end
     end
     table.sort(live, function(x, y) return x[1] < y[1] end)

@@ -309,10 +309,6 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
             check_url(d, &format!("store.cluster[{i}]"), v);
             s.cluster.push(v.get_ref().clone());
         }
-        d.err(
-            &list.span(),
-            "store.cluster: Redis Cluster is not available in this version yet; use url",
-        );
     }
     if s.backend == Backend::Redis {
         match (&r.url, &r.cluster) {
@@ -352,6 +348,10 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
         }
     }
     if let Some(v) = &r.prefix {
+        if v.get_ref().contains(['{', '}']) {
+            // Braces would make the prefix the cluster hash tag of every key.
+            d.err(&v.span(), "store.prefix: must not contain '{' or '}'");
+        }
         s.prefix = v.get_ref().clone();
     }
     if let Some(v) = r.deny_cache {

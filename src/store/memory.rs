@@ -196,9 +196,12 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
         (Algorithm::Sliding { precision }, state) => {
             let (p, n, b) = buckets(c, precision.as_millis() as u64, now);
             let live: Vec<(u64, u64)> = match state {
-                Some(State::Sliding { buckets }) => {
-                    buckets.iter().copied().filter(|(i, _)| i + n > b).collect()
-                }
+                // A bucket refunded to zero counts for nothing, not even the reset.
+                Some(State::Sliding { buckets }) => buckets
+                    .iter()
+                    .copied()
+                    .filter(|&(i, u)| i + n > b && u > 0)
+                    .collect(),
                 _ => Vec::new(),
             };
             let used: u64 = live.iter().map(|(_, u)| u).sum();

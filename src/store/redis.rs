@@ -7,14 +7,26 @@
 //! or `SCRIPT FLUSH`), loads the script and retries, unseen by clients.
 //!
 //! The connection is a `ConnectionManager`: multiplexed, connected lazily (so
-//! sluice starts while Redis is down) and reconnected in the background. Every
-//! call is bounded by `store.timeout`.
+//! sluice starts while Redis is down) and reconnected in the background. With
+//! `store.cluster` it is the redis crate's cluster client, also connected
+//! lazily, which follows slot moves and failovers. Every call is bounded by
+//! `store.timeout`.
+//!
+//! A script may only touch keys of one cluster slot. All counters of one
+//! identity share a hash tag, so a request with one identity is still one
+//! call. A request whose identities live in different slots (`global` next to
+//! `ip`, or a list of keys) is decided slot by slot, one call after another;
+//! if a later slot rejects, the reservations already taken are refunded, so
+//! nothing is over-charged.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Script, ScriptInvocation};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Script, ScriptInvocation};
+use tokio::sync::OnceCell;
 
 use super::{Counter, CounterState, Outcome, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
@@ -22,8 +34,16 @@ use crate::config::{Algorithm, ClockSource, StoreConfig};
 static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
 static REFUND: &str = include_str!("../../lua/refund.lua");
 
+enum Conn {
+    Single(ConnectionManager),
+    Cluster {
+        client: ClusterClient,
+        conn: OnceCell<ClusterConnection>,
+    },
+}
+
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
     acquire: Script,
     refund: Script,
     prefix: String,
@@ -36,19 +56,32 @@ pub struct RedisStore {
 
 impl RedisStore {
     pub fn new(config: &StoreConfig) -> Result<RedisStore, StoreError> {
-        let url = config
-            .url
-            .as_deref()
-            .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
-        let client =
-            redis::Client::open(url).map_err(|e| StoreError::Unavailable(e.to_string()))?;
-        let manager = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.timeout))
-            .set_response_timeout(Some(config.timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager)
-            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        let bad = |e: RedisError| StoreError::Unavailable(e.to_string());
+        let conn = match &config.url {
+            Some(url) => {
+                let client = redis::Client::open(url.as_str()).map_err(bad)?;
+                let manager = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(config.timeout))
+                    .set_response_timeout(Some(config.timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                Conn::Single(ConnectionManager::new_lazy_with_config(client, manager).map_err(bad)?)
+            }
+            None => {
+                let client = ClusterClient::builder(config.cluster.iter().map(String::as_str))
+                    .connection_timeout(config.timeout)
+                    .response_timeout(config.timeout)
+                    .retries(2)
+                    .min_retry_wait(10)
+                    .max_retry_wait(100)
+                    .build()
+                    .map_err(bad)?;
+                Conn::Cluster {
+                    client,
+                    conn: OnceCell::new(),
+                }
+            }
+        };
         Ok(RedisStore {
             conn,
             acquire: Script::new(ACQUIRE),
@@ -63,9 +96,18 @@ impl RedisStore {
     /// Loads both scripts, so the first requests do not meet `NOSCRIPT`. If
     /// Redis is down this fails quietly: each call loads on demand anyway.
     pub async fn preload(&self) {
-        let mut conn = self.conn.clone();
         for script in [&self.acquire, &self.refund] {
-            let load = script.load_async(&mut conn);
+            let load = async {
+                match &self.conn {
+                    Conn::Single(c) => script.load_async(&mut c.clone()).await,
+                    Conn::Cluster { client, conn } => {
+                        let c = conn
+                            .get_or_try_init(|| client.get_async_connection())
+                            .await?;
+                        script.load_async(&mut c.clone()).await
+                    }
+                }
+            };
             match tokio::time::timeout(self.timeout, load).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
@@ -77,10 +119,23 @@ impl RedisStore {
         }
     }
 
+    fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster { .. })
+    }
+
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
         let cmd = redis::cmd("PING");
-        let ping = cmd.query_async::<String>(&mut conn);
+        let ping = async {
+            match &self.conn {
+                Conn::Single(c) => cmd.query_async::<String>(&mut c.clone()).await,
+                Conn::Cluster { client, conn } => {
+                    let c = conn
+                        .get_or_try_init(|| client.get_async_connection())
+                        .await?;
+                    cmd.query_async::<String>(&mut c.clone()).await
+                }
+            }
+        };
         match tokio::time::timeout(self.timeout, ping).await {
             Err(_) => Err(StoreError::Timeout),
             Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
@@ -108,15 +163,107 @@ impl RedisStore {
         &self,
         inv: &ScriptInvocation<'_>,
     ) -> Result<T, StoreError> {
-        let mut conn = self.conn.clone();
-        match tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn)).await {
+        let call = async {
+            match &self.conn {
+                Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+                Conn::Cluster { client, conn } => {
+                    let c = conn
+                        .get_or_try_init(|| client.get_async_connection())
+                        .await?;
+                    inv.invoke_async(&mut c.clone()).await
+                }
+            }
+        };
+        match tokio::time::timeout(self.timeout, call).await {
             Err(_) => Err(StoreError::Timeout),
             Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
             Ok(Ok(v)) => Ok(v),
         }
     }
 
+    /// Checks (mode 0), checks and charges (1) or charges (2) `counters`; see
+    /// `lua/acquire.lua`.
     pub async fn acquire(
+        &self,
+        counters: &[Counter],
+        cost: u64,
+        mode: u8,
+        now_ms: u64,
+    ) -> Result<Outcome, StoreError> {
+        let groups = self.slot_groups(counters);
+        if groups.len() <= 1 {
+            return self.acquire_one(counters, cost, mode, now_ms).await;
+        }
+        let mut out = Outcome {
+            allowed: true,
+            now_ms,
+            // Slots never asked (after a rejection) show a full, passing counter.
+            states: counters
+                .iter()
+                .map(|c| CounterState {
+                    remaining: c.limit,
+                    reset_ms: now_ms,
+                    retry_ms: 0,
+                })
+                .collect(),
+            marks: vec![0; counters.len()],
+        };
+        let mut charged: Vec<(Vec<Counter>, Vec<u64>)> = Vec::new();
+        for group in groups {
+            let part: Vec<Counter> = group.iter().map(|&i| counters[i].clone()).collect();
+            let o = match self.acquire_one(&part, cost, mode, now_ms).await {
+                Ok(o) => o,
+                Err(e) => {
+                    self.give_back(charged, cost, now_ms).await;
+                    return Err(e);
+                }
+            };
+            out.now_ms = o.now_ms;
+            for (k, &i) in group.iter().enumerate() {
+                out.states[i] = o.states[k];
+                out.marks[i] = o.marks[k];
+            }
+            if !o.allowed {
+                out.allowed = false;
+                if mode == 1 {
+                    // All or nothing: what earlier slots reserved goes back.
+                    self.give_back(charged, cost, now_ms).await;
+                    out.marks.iter_mut().for_each(|m| *m = 0);
+                    return Ok(out);
+                }
+            } else if mode == 1 {
+                charged.push((part, o.marks));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn give_back(&self, charged: Vec<(Vec<Counter>, Vec<u64>)>, cost: u64, now_ms: u64) {
+        for (part, marks) in charged {
+            if let Err(e) = self.refund_one(&part, &marks, cost, now_ms).await {
+                tracing::warn!(error = %e, "could not give back a partial reservation");
+            }
+        }
+    }
+
+    /// Indices of `counters` grouped by cluster hash tag, in first-seen order;
+    /// one group when not on a cluster.
+    fn slot_groups(&self, counters: &[Counter]) -> Vec<Vec<usize>> {
+        if !self.is_cluster() {
+            return vec![(0..counters.len()).collect()];
+        }
+        let mut groups: Vec<(&[u8], Vec<usize>)> = Vec::new();
+        for (i, c) in counters.iter().enumerate() {
+            let tag = hash_tag(&c.key);
+            match groups.iter_mut().find(|(t, _)| *t == tag) {
+                Some((_, g)) => g.push(i),
+                None => groups.push((tag, vec![i])),
+            }
+        }
+        groups.into_iter().map(|(_, g)| g).collect()
+    }
+
+    async fn acquire_one(
         &self,
         counters: &[Counter],
         cost: u64,
@@ -165,6 +312,25 @@ impl RedisStore {
         cost: u64,
         now_ms: u64,
     ) -> Result<(), StoreError> {
+        let groups = self.slot_groups(counters);
+        if groups.len() <= 1 {
+            return self.refund_one(counters, marks, cost, now_ms).await;
+        }
+        for group in groups {
+            let part: Vec<Counter> = group.iter().map(|&i| counters[i].clone()).collect();
+            let part_marks: Vec<u64> = group.iter().map(|&i| marks[i]).collect();
+            self.refund_one(&part, &part_marks, cost, now_ms).await?;
+        }
+        Ok(())
+    }
+
+    async fn refund_one(
+        &self,
+        counters: &[Counter],
+        marks: &[u64],
+        cost: u64,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
         let mut inv = self.refund.prepare_invoke();
         self.keys(&mut inv, counters);
         inv.arg(self.now_arg(now_ms)).arg(cost);
@@ -179,6 +345,18 @@ impl RedisStore {
         let _: i64 = self.call(&inv).await?;
         Ok(())
     }
+}
+
+/// The part of a key Redis Cluster hashes: between the first `{` and the next
+/// `}` when that is not empty, else the whole key. (The prefix, which comes
+/// first, may not contain braces: the config refuses them.)
+fn hash_tag(key: &[u8]) -> &[u8] {
+    let tag = || {
+        let open = key.iter().position(|&b| b == b'{')?;
+        let close = key[open + 1..].iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &key[open + 1..open + 1 + close])
+    };
+    tag().unwrap_or(key)
 }
 
 /// The script's algorithm code and its parameter for a counter.
