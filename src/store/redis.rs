@@ -36,10 +36,12 @@ static REFUND: &str = include_str!("../../lua/refund.lua");
 
 enum Conn {
     Single(ConnectionManager),
-    Cluster {
-        client: ClusterClient,
-        conn: OnceCell<ClusterConnection>,
-    },
+    Cluster(Box<Cluster>),
+}
+
+struct Cluster {
+    client: ClusterClient,
+    conn: OnceCell<ClusterConnection>,
 }
 
 pub struct RedisStore {
@@ -76,10 +78,10 @@ impl RedisStore {
                     .max_retry_wait(100)
                     .build()
                     .map_err(bad)?;
-                Conn::Cluster {
+                Conn::Cluster(Box::new(Cluster {
                     client,
                     conn: OnceCell::new(),
-                }
+                }))
             }
         };
         Ok(RedisStore {
@@ -100,7 +102,8 @@ impl RedisStore {
             let load = async {
                 match &self.conn {
                     Conn::Single(c) => script.load_async(&mut c.clone()).await,
-                    Conn::Cluster { client, conn } => {
+                    Conn::Cluster(cluster) => {
+                        let Cluster { client, conn } = &**cluster;
                         let c = conn
                             .get_or_try_init(|| client.get_async_connection())
                             .await?;
@@ -120,7 +123,7 @@ impl RedisStore {
     }
 
     fn is_cluster(&self) -> bool {
-        matches!(self.conn, Conn::Cluster { .. })
+        matches!(self.conn, Conn::Cluster(_))
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
@@ -128,7 +131,8 @@ impl RedisStore {
         let ping = async {
             match &self.conn {
                 Conn::Single(c) => cmd.query_async::<String>(&mut c.clone()).await,
-                Conn::Cluster { client, conn } => {
+                Conn::Cluster(cluster) => {
+                    let Cluster { client, conn } = &**cluster;
                     let c = conn
                         .get_or_try_init(|| client.get_async_connection())
                         .await?;
@@ -166,7 +170,8 @@ impl RedisStore {
         let call = async {
             match &self.conn {
                 Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
-                Conn::Cluster { client, conn } => {
+                Conn::Cluster(cluster) => {
+                    let Cluster { client, conn } = &**cluster;
                     let c = conn
                         .get_or_try_init(|| client.get_async_connection())
                         .await?;
