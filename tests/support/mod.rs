@@ -360,19 +360,8 @@ impl RedisServer {
             .spawn()
             .expect("redis-server must be installed (.ci/run installs it)");
         let server = RedisServer { port, child };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(mut c) = server.client().get_connection()
-                && redis::cmd("PING").query::<String>(&mut c).is_ok()
-            {
-                return server;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "redis-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_for_ping(&server);
+        server
     }
 
     pub fn url(&self) -> String {
@@ -469,5 +458,207 @@ impl Drop for RedisServer {
         self.send_signal("-CONT");
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A real Redis Cluster on loopback: `masters` masters, one replica each,
+/// made with `redis-cli --cluster create`. Stopped when dropped.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+    dir: std::path::PathBuf,
+}
+
+impl RedisCluster {
+    pub fn start(masters: usize) -> RedisCluster {
+        let dir = std::env::temp_dir().join(format!(
+            "sluice-cluster-{}-{}",
+            std::process::id(),
+            NEXT_CLUSTER.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut nodes = Vec::new();
+        for _ in 0..masters * 2 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let child = std::process::Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                .arg("--dir")
+                .arg(&dir)
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed (.ci/run installs it)");
+            nodes.push(RedisServer { port, child });
+        }
+        for n in &nodes {
+            wait_for_ping(n);
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = std::process::Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = RedisCluster { nodes, dir };
+        cluster.wait_until_ok();
+        cluster
+    }
+
+    /// Waits until every live node says the cluster is ok, with all slots
+    /// served and every replica in sync.
+    pub fn wait_until_ok(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            // Every node sees all slots served, and every replica has synced
+            // (a replica that never synced will not stand in for its master).
+            let ok = self.live_nodes().all(|n| {
+                let mut c = n.conn();
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query(&mut c)
+                    .unwrap_or_default();
+                let repl: String = redis::cmd("INFO")
+                    .arg("replication")
+                    .query(&mut c)
+                    .unwrap_or_default();
+                info.contains("cluster_state:ok")
+                    && info.contains("cluster_slots_ok:16384")
+                    && (repl.contains("role:master") || repl.contains("master_link_status:up"))
+            });
+            if ok {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "cluster not ok in 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn live_nodes(&self) -> impl Iterator<Item = &RedisServer> {
+        self.nodes
+            .iter()
+            .filter(|n| n.client().get_connection().is_ok())
+    }
+
+    /// The seed URLs, as TOML array items.
+    pub fn seeds_toml(&self) -> String {
+        let urls: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("\"redis://127.0.0.1:{}\"", n.port))
+            .collect();
+        urls.join(", ")
+    }
+
+    pub fn seeds(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// A connection that follows redirects.
+    pub fn conn(&self) -> redis::cluster::ClusterConnection {
+        redis::cluster::ClusterClient::new(self.seeds())
+            .unwrap()
+            .get_connection()
+            .unwrap()
+    }
+
+    /// Every key on every live master.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys = Vec::new();
+        for n in self.live_nodes() {
+            let role: String = redis::cmd("ROLE")
+                .query::<Vec<redis::Value>>(&mut n.conn())
+                .map_or(String::new(), |v| match v.first() {
+                    Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                    _ => String::new(),
+                });
+            if role == "master" {
+                let k: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut n.conn()).unwrap();
+                keys.extend(k);
+            }
+        }
+        keys
+    }
+
+    /// Kills the master serving `key`'s slot; returns its index in `nodes`.
+    pub fn kill_master_of(&mut self, key: &str) -> usize {
+        let conn = &mut self.nodes[0].conn();
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(conn)
+            .unwrap();
+        let slots: Vec<redis::Value> = redis::cmd("CLUSTER").arg("SLOTS").query(conn).unwrap();
+        let mut port = None;
+        for range in slots {
+            let redis::Value::Array(parts) = range else {
+                continue;
+            };
+            let (
+                Some(redis::Value::Int(lo)),
+                Some(redis::Value::Int(hi)),
+                Some(redis::Value::Array(master)),
+            ) = (parts.first(), parts.get(1), parts.get(2))
+            else {
+                continue;
+            };
+            if (*lo..=*hi).contains(&i64::from(slot)) {
+                if let Some(redis::Value::Int(p)) = master.get(1) {
+                    port = Some(*p as u16);
+                }
+            }
+        }
+        let port = port.expect("no master for the slot");
+        let i = self.nodes.iter().position(|n| n.port == port).unwrap();
+        let _ = self.nodes[i].child.kill();
+        let _ = self.nodes[i].child.wait();
+        i
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            let _ = n.child.kill();
+            let _ = n.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+static NEXT_CLUSTER: AtomicU64 = AtomicU64::new(0);
+
+fn wait_for_ping(server: &RedisServer) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(mut c) = server.client().get_connection()
+            && redis::cmd("PING").query::<String>(&mut c).is_ok()
+        {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "redis-server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
