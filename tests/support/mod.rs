@@ -621,10 +621,10 @@ impl RedisCluster {
             else {
                 continue;
             };
-            if (*lo..=*hi).contains(&i64::from(slot)) {
-                if let Some(redis::Value::Int(p)) = master.get(1) {
-                    port = Some(*p as u16);
-                }
+            if (*lo..=*hi).contains(&i64::from(slot))
+                && let Some(redis::Value::Int(p)) = master.get(1)
+            {
+                port = Some(*p as u16);
             }
         }
         let port = port.expect("no master for the slot");
