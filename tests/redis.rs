@@ -1,6 +1,8 @@
-//! The Redis store end to end: a real redis-server per test, real upstream,
-//! real client, sluice in-process.
+//! The Redis store end to end: a real redis-server (and, for each test again,
+//! a real Redis Cluster) per test, real upstream, real client, sluice
+//! in-process.
 
+#[macro_use]
 mod support;
 
 use std::time::Duration;
@@ -9,12 +11,12 @@ use http::StatusCode;
 use sluice::clock::Clock;
 use support::*;
 
-fn config(redis: &RedisServer, upstream: &Upstream, clock: &str, policy: &str) -> String {
+fn config(redis: &TestRedis, upstream: &Upstream, clock: &str, policy: &str) -> String {
     format!(
         r#"
 [store]
 backend = "redis"
-url = "{redis}"
+{redis}
 timeout = "500ms"
 clock = "{clock}"
 prefix = "t:"
@@ -32,7 +34,7 @@ path = "/"
 upstream = "api"
 policy = "p"
 "#,
-        redis = redis.url(),
+        redis = redis.store_toml(),
         upstream = upstream.url(),
     )
 }
@@ -45,9 +47,12 @@ fn clock_at_window_start(window_ms: u64) -> Clock {
     clock
 }
 
-#[tokio::test]
-async fn one_evalsha_per_decision_and_one_more_per_refund() {
-    let redis = RedisServer::start();
+on_both!(
+    one_evalsha_per_decision_and_one_more_per_refund,
+    one_evalsha_per_decision_and_one_more_per_refund_on
+);
+
+async fn one_evalsha_per_decision_and_one_more_per_refund_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [{ limit = 3, window = \"1m\" }, { limit = 100, window = \"1h\", precision = \"1m\" }]";
     let s = Sluice::start_with_clock(
@@ -70,13 +75,13 @@ async fn one_evalsha_per_decision_and_one_more_per_refund() {
         1,
         "an allowed request is one Redis command"
     );
-    assert_eq!(redis.calls("evalsha"), 1);
+    assert_eq!(redis.evalsha_calls(), 1);
 
     redis.reset_stats();
     let refunded = get(&s.url("/status/304"), &[]).await;
     assert_eq!(refunded.status, StatusCode::NOT_MODIFIED);
     assert_eq!(
-        redis.calls("evalsha"),
+        redis.evalsha_calls(),
         2,
         "a refunded request: decision + refund"
     );
@@ -115,17 +120,17 @@ async fn one_evalsha_per_decision_and_one_more_per_refund() {
     );
 }
 
-#[tokio::test]
-async fn script_flush_is_invisible_to_clients() {
-    let redis = RedisServer::start();
+on_both!(
+    script_flush_is_invisible_to_clients,
+    script_flush_is_invisible_to_clients_on
+);
+
+async fn script_flush_is_invisible_to_clients_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [{ limit = 100, window = \"1m\" }]";
     let s = Sluice::start(&config(&redis, &up, "redis", policy)).await;
     assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
-    let _: () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query(&mut redis.conn())
-        .unwrap();
+    redis.script_flush();
     let r = get(&s.url("/"), &[]).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(
@@ -135,9 +140,12 @@ async fn script_flush_is_invisible_to_clients() {
     );
 }
 
-#[tokio::test]
-async fn instances_with_disagreeing_clocks_share_one_exact_limit() {
-    let redis = RedisServer::start();
+on_both!(
+    instances_with_disagreeing_clocks_share_one_exact_limit,
+    instances_with_disagreeing_clocks_share_one_exact_limit_on
+);
+
+async fn instances_with_disagreeing_clocks_share_one_exact_limit_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [{ limit = 10, window = \"1h\" }]";
     let cfg = config(&redis, &up, "redis", policy);
@@ -173,9 +181,12 @@ async fn instances_with_disagreeing_clocks_share_one_exact_limit() {
     assert!(resets.len() <= 2, "{resets:?}");
 }
 
-#[tokio::test]
-async fn every_algorithm_with_weighted_cost_through_redis() {
-    let redis = RedisServer::start();
+on_both!(
+    every_algorithm_with_weighted_cost_through_redis,
+    every_algorithm_with_weighted_cost_through_redis_on
+);
+
+async fn every_algorithm_with_weighted_cost_through_redis_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [\n\
         { limit = 10, window = \"1m\" },\n\
@@ -206,22 +217,23 @@ async fn every_algorithm_with_weighted_cost_through_redis() {
         4,
         "{policy_header}"
     );
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("t:*")
-        .query(&mut redis.conn())
-        .unwrap();
+    let keys: Vec<String> = redis
+        .keys()
+        .into_iter()
+        .filter(|k| k.starts_with("t:"))
+        .collect();
     assert_eq!(keys.len(), 4, "{keys:?}");
     let log_key = keys.iter().find(|k| k.ends_with(":30s:log")).unwrap();
-    let units: u64 = redis::cmd("ZCARD")
-        .arg(log_key)
-        .query(&mut redis.conn())
-        .unwrap();
+    let units: u64 = redis.query(redis::cmd("ZCARD").arg(log_key));
     assert_eq!(units, 4, "one sorted-set entry per charged unit");
 }
 
-#[tokio::test]
-async fn refunds_give_back_exactly_and_after_mode_charges_later() {
-    let redis = RedisServer::start();
+on_both!(
+    refunds_give_back_exactly_and_after_mode_charges_later,
+    refunds_give_back_exactly_and_after_mode_charges_later_on
+);
+
+async fn refunds_give_back_exactly_and_after_mode_charges_later_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [{ limit = 5, window = \"1m\" }, { limit = 5, window = \"1m\", algorithm = \"log\" }, { limit = 5, window = \"1m\", algorithm = \"gcra\", burst = 5 }]";
     let s = Sluice::start_with_clock(
@@ -243,9 +255,8 @@ async fn refunds_give_back_exactly_and_after_mode_charges_later() {
     );
 
     let after = "[policies.p]\ncharge = \"after\"\nlimits = [{ limit = 2, window = \"1m\" }]";
-    let redis2 = RedisServer::start();
     let s2 = Sluice::start_with_clock(
-        &config(&redis2, &up, "local", after),
+        &config(&redis, &up, "local", after).replace("prefix = \"t:\"", "prefix = \"after:\""),
         clock_at_window_start(60_000),
     )
     .await;
@@ -263,9 +274,12 @@ async fn refunds_give_back_exactly_and_after_mode_charges_later() {
     );
 }
 
-#[tokio::test]
-async fn ietf_headers_put_the_denying_limit_first() {
-    let redis = RedisServer::start();
+on_both!(
+    ietf_headers_put_the_denying_limit_first,
+    ietf_headers_put_the_denying_limit_first_on
+);
+
+async fn ietf_headers_put_the_denying_limit_first_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [{ limit = 100, window = \"1h\" }, { limit = 1, window = \"10s\" }]";
     let s = Sluice::start_with_clock(
@@ -338,9 +352,12 @@ async fn a_dead_redis_fails_open_or_closed_within_the_timeout() {
     }
 }
 
-#[tokio::test]
-async fn deny_cache_makes_an_abusive_client_free_for_redis() {
-    let redis = RedisServer::start();
+on_both!(
+    deny_cache_makes_an_abusive_client_free_for_redis,
+    deny_cache_makes_an_abusive_client_free_for_redis_on
+);
+
+async fn deny_cache_makes_an_abusive_client_free_for_redis_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [{ limit = 2, window = \"1m\" }]";
     for deny_cache in [true, false] {

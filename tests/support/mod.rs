@@ -662,3 +662,88 @@ fn wait_for_ping(server: &RedisServer) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Either a single Redis or a Redis Cluster, so one test runs on both.
+pub enum TestRedis {
+    Single(RedisServer),
+    Cluster(RedisCluster),
+}
+
+impl TestRedis {
+    /// The `[store]` lines that point sluice at it.
+    pub fn store_toml(&self) -> String {
+        match self {
+            TestRedis::Single(r) => format!("url = \"{}\"", r.url()),
+            TestRedis::Cluster(c) => format!("cluster = [{}]", c.seeds_toml()),
+        }
+    }
+
+    fn servers(&self) -> Vec<&RedisServer> {
+        match self {
+            TestRedis::Single(r) => vec![r],
+            TestRedis::Cluster(c) => c.nodes.iter().collect(),
+        }
+    }
+
+    pub fn reset_stats(&self) {
+        self.servers().iter().for_each(|s| s.reset_stats());
+    }
+
+    /// Round trips from clients, summed over every node.
+    pub fn round_trips(&self) -> u64 {
+        self.servers().iter().map(|s| s.round_trips()).sum()
+    }
+
+    /// EVALSHA calls, summed over every node.
+    pub fn evalsha_calls(&self) -> u64 {
+        self.servers().iter().map(|s| s.calls("evalsha")).sum()
+    }
+
+    pub fn script_flush(&self) {
+        for s in self.servers() {
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query(&mut s.conn())
+                .unwrap();
+        }
+    }
+
+    pub fn keys(&self) -> Vec<String> {
+        match self {
+            TestRedis::Single(r) => redis::cmd("KEYS").arg("*").query(&mut r.conn()).unwrap(),
+            TestRedis::Cluster(c) => c.keys(),
+        }
+    }
+
+    /// Runs a command about one key, on the node that holds it.
+    pub fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+        match self {
+            TestRedis::Single(r) => cmd.query(&mut r.conn()).unwrap(),
+            TestRedis::Cluster(c) => cmd.query(&mut c.conn()).unwrap(),
+        }
+    }
+}
+
+/// Runs an async test body once on a single Redis and once on a cluster, as
+/// two tests: `name::single` and `name::cluster`.
+#[macro_export]
+macro_rules! on_both {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            #[tokio::test]
+            async fn single() {
+                super::$body(super::support::TestRedis::Single(
+                    super::support::RedisServer::start(),
+                ))
+                .await;
+            }
+            #[tokio::test]
+            async fn cluster() {
+                super::$body(super::support::TestRedis::Cluster(
+                    super::support::RedisCluster::start(3),
+                ))
+                .await;
+            }
+        }
+    };
+}
