@@ -2,12 +2,13 @@
 //! 64 KiB values never fail a store call, never touch another client's
 //! counters, never bypass a limit, and never grow a key.
 
+#[macro_use]
 mod support;
 
 use http::{HeaderValue, Request, StatusCode};
 use support::*;
 
-async fn start(redis: &RedisServer, up: &Upstream) -> Sluice {
+async fn start(redis: &TestRedis, up: &Upstream) -> Sluice {
     let cfg = format!(
         r#"
 [server]
@@ -15,7 +16,7 @@ trusted_proxies = ["127.0.0.1"]
 
 [store]
 backend = "redis"
-url = "{}"
+{}
 on_error = "deny"
 deny_cache = false
 
@@ -40,7 +41,7 @@ path = "/q"
 upstream = "api"
 policy = "q"
 "#,
-        redis.url(),
+        redis.store_toml(),
         up.url()
     );
     Sluice::start(&cfg).await
@@ -72,9 +73,12 @@ fn hostile_header_values() -> Vec<HeaderValue> {
     values
 }
 
-#[tokio::test]
-async fn hostile_header_values_are_counted_like_any_other() {
-    let redis = RedisServer::start();
+on_both!(
+    hostile_header_values_are_counted_like_any_other,
+    hostile_header_values_are_counted_like_any_other_on
+);
+
+async fn hostile_header_values_are_counted_like_any_other_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let s = start(&redis, &up).await;
     // A victim identity with one unit spent.
@@ -99,24 +103,20 @@ async fn hostile_header_values_are_counted_like_any_other() {
         StatusCode::TOO_MANY_REQUESTS
     );
     // Every key has the same shape and size, whatever the value was.
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("*")
-        .query(&mut redis.conn())
-        .unwrap();
+    let keys: Vec<String> = redis.keys();
     assert_eq!(keys.len(), hostile_header_values().len() + 1, "{keys:?}");
     let lengths: std::collections::HashSet<usize> = keys.iter().map(|k| k.len()).collect();
     assert_eq!(lengths.len(), 1, "{keys:?}");
-    let used: u64 = redis::cmd("MEMORY")
-        .arg("USAGE")
-        .arg(&keys[0])
-        .query(&mut redis.conn())
-        .unwrap();
+    let used: u64 = redis.query(redis::cmd("MEMORY").arg("USAGE").arg(&keys[0]));
     assert!(used < 300, "{used} bytes for one counter");
 }
 
-#[tokio::test]
-async fn hostile_query_values_are_counted_like_any_other() {
-    let redis = RedisServer::start();
+on_both!(
+    hostile_query_values_are_counted_like_any_other,
+    hostile_query_values_are_counted_like_any_other_on
+);
+
+async fn hostile_query_values_are_counted_like_any_other_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let s = start(&redis, &up).await;
     let long = "q".repeat(30_000);
@@ -144,9 +144,12 @@ async fn hostile_query_values_are_counted_like_any_other() {
     );
 }
 
-#[tokio::test]
-async fn a_header_value_equal_to_an_address_does_not_touch_that_address() {
-    let redis = RedisServer::start();
+on_both!(
+    a_header_value_equal_to_an_address_does_not_touch_that_address,
+    a_header_value_equal_to_an_address_does_not_touch_that_address_on
+);
+
+async fn a_header_value_equal_to_an_address_does_not_touch_that_address_on(redis: TestRedis) {
     let up = Upstream::start().await;
     let s = start(&redis, &up).await;
     let from = |ip: &str| ("x-forwarded-for", ip.to_string());
