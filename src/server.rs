@@ -46,11 +46,18 @@ impl Server {
     }
 
     /// A server on `clock` (tests move it instead of sleeping).
+    /// rustls needs one process-wide crypto provider (for `rediss://`).
+    fn install_crypto() {
+        // Err means one is installed already: fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+
     pub fn with_clock(
         listener: TcpListener,
         config: Config,
         clock: Clock,
     ) -> Result<Server, ServerError> {
+        Self::install_crypto();
         let store = match config.store.backend {
             Backend::Memory => Store::Memory(MemoryStore::new(config.store.max_keys)),
             Backend::Redis => Store::Redis(RedisStore::new(&config.store)?),

@@ -219,3 +219,68 @@ async fn redis_with_a_password_and_an_acl_user() {
         StatusCode::SERVICE_UNAVAILABLE
     );
 }
+
+#[tokio::test]
+async fn redis_over_tls_with_a_private_ca() {
+    let dir = std::env::temp_dir().join(format!("sluice-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cert =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+            .unwrap();
+    let (cert_pem, key_pem) = (dir.join("redis.crt"), dir.join("redis.key"));
+    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
+    std::fs::write(&key_pem, cert.signing_key.serialize_pem()).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = std::process::Command::new("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+        .arg("--tls-cert-file")
+        .arg(&cert_pem)
+        .arg("--tls-key-file")
+        .arg(&key_pem)
+        .arg("--tls-ca-cert-file")
+        .arg(&cert_pem)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(|| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()).await;
+    let up = Upstream::start().await;
+    let cfg = |ca: &str| {
+        format!(
+            "[store]\nbackend = \"redis\"\nurl = \"rediss://127.0.0.1:{port}/0\"\ntimeout = \"1s\"\non_error = \"deny\"\n{ca}\n\
+             [upstreams.api]\nurl = \"{}\"\n[policies.p]\nlimits = [{{ limit = 2, window = \"1h\" }}]\n\
+             [[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"\n",
+            up.url()
+        )
+    };
+    // Trusting the private CA: limits work over TLS.
+    let s = Sluice::start(&cfg(&format!("ca = \"{}\"", cert_pem.display()))).await;
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(
+        get(&s.url("/"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // With only the system roots, the unknown certificate is refused.
+    let s = Sluice::start(&cfg("")).await;
+    assert_eq!(
+        get(&s.url("/"), &[]).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -287,11 +287,6 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
                     redact(url)
                 ),
             );
-        } else if url.starts_with("rediss://") {
-            d.err(
-                &v.span(),
-                format!("{key}: rediss:// (TLS to Redis) is not available in this version yet"),
-            );
         }
     };
     if let Some(v) = &r.url {
@@ -321,10 +316,6 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
         s.timeout = duration_value(d, "store.timeout", v).unwrap_or(s.timeout);
     }
     if let Some(v) = &r.ca {
-        d.err(
-            &v.span(),
-            "store.ca: TLS to Redis is not available in this version yet",
-        );
         s.ca = Some(file(base, v.get_ref()));
     }
     if let Some(v) = &r.on_error {

@@ -59,9 +59,24 @@ pub struct RedisStore {
 impl RedisStore {
     pub fn new(config: &StoreConfig) -> Result<RedisStore, StoreError> {
         let bad = |e: RedisError| StoreError::Unavailable(e.to_string());
+        // rediss:// verifies against the system roots, or only `store.ca`.
+        let ca = match &config.ca {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                StoreError::Unavailable(format!("store.ca: cannot read {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        let certs = || redis::TlsCertificates {
+            client_tls: None,
+            root_cert: ca.clone(),
+        };
         let conn = match &config.url {
             Some(url) => {
-                let client = redis::Client::open(url.as_str()).map_err(bad)?;
+                let client = if ca.is_some() && url.starts_with("rediss://") {
+                    redis::Client::build_with_tls(url.as_str(), certs()).map_err(bad)?
+                } else {
+                    redis::Client::open(url.as_str()).map_err(bad)?
+                };
                 let manager = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(config.timeout))
                     .set_response_timeout(Some(config.timeout))
@@ -70,7 +85,11 @@ impl RedisStore {
                 Conn::Single(ConnectionManager::new_lazy_with_config(client, manager).map_err(bad)?)
             }
             None => {
-                let client = ClusterClient::builder(config.cluster.iter().map(String::as_str))
+                let mut builder = ClusterClient::builder(config.cluster.iter().map(String::as_str));
+                if ca.is_some() {
+                    builder = builder.certs(certs());
+                }
+                let client = builder
                     .connection_timeout(config.timeout)
                     .response_timeout(config.timeout)
                     .retries(2)
