@@ -68,6 +68,7 @@ async fn killed_redis_fails_open_fast_and_limiting_resumes_when_it_returns() {
     let worst = slowest(&s, 10, StatusCode::OK).await;
     let bound = Duration::from_millis(TIMEOUT_MS + 50);
     assert!(worst < bound, "slowest request with Redis dead: {worst:?}");
+    eprintln!("slowest request with Redis dead: {worst:?}");
     assert!(s.metric("sluice_store_errors_total").await >= 10.0);
 
     // Back, empty (a restart without persistence): limiting resumes by itself.
@@ -112,6 +113,7 @@ async fn hung_redis_is_treated_like_a_dead_one() {
             worst < bound,
             "{on_error}: slowest request with Redis hung: {worst:?}"
         );
+        eprintln!("{on_error}: slowest request with Redis hung: {worst:?}");
         // Thawed: answers again within a second.
         let thawed = Instant::now();
         loop {
