@@ -99,7 +99,21 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
         if let Some(admin) = config.server.admin_listen {
             tracing::info!(%admin, "admin endpoints: /healthz /readyz /metrics");
         }
-        sluice::run(listener, config, shutdown_signal()).await?;
+        let server = sluice::Server::new(listener, config)?;
+        let proxy = server.proxy();
+        let path = path.to_path_buf();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let Ok(mut hup) = signal(SignalKind::hangup()) else {
+                tracing::warn!("cannot listen for SIGHUP: reload is off");
+                return;
+            };
+            while hup.recv().await.is_some() {
+                // The reason for a refusal is logged by reload itself.
+                let _ = proxy.reload(&path);
+            }
+        });
+        server.run(shutdown_signal()).await?;
         tracing::info!("stopped");
         Ok(())
     })

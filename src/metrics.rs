@@ -3,7 +3,8 @@
 //! Names (all prefixed `sluice_`): `requests_total{route,status}`,
 //! `decisions_total{policy,outcome}` (outcome: allowed, limited,
 //! shadow_limited, store_error), `refunds_total{policy}`, `store_errors_total`,
-//! `store_call_seconds` and `upstream_seconds{upstream}` (histograms).
+//! `store_call_seconds` and `upstream_seconds{upstream}` (histograms),
+//! `config_reloads_total{result}`.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -29,6 +30,11 @@ pub struct PolicyLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabel {
     pub upstream: String,
 }
@@ -43,6 +49,7 @@ pub struct Metrics {
     pub store_errors: Counter,
     pub store_seconds: Histogram,
     pub upstream_seconds: HistogramFamily<UpstreamLabel>,
+    pub reloads: Family<ResultLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -77,6 +84,12 @@ impl Default for Metrics {
             "Latency of limiter decisions in the store",
             store_seconds.clone(),
         );
+        let reloads = Family::default();
+        registry.register(
+            "config_reloads",
+            "Configuration reloads by result (ok, error)",
+            reloads.clone(),
+        );
         registry.register(
             "upstream_seconds",
             "Time to the upstream's response headers",
@@ -90,6 +103,7 @@ impl Default for Metrics {
             store_errors,
             store_seconds,
             upstream_seconds,
+            reloads,
         }
     }
 }
@@ -102,6 +116,10 @@ impl Metrics {
                 outcome,
             })
             .inc();
+    }
+
+    pub fn reload(&self, result: &'static str) {
+        self.reloads.get_or_create(&ResultLabel { result }).inc();
     }
 
     /// The Prometheus text exposition of every metric.

@@ -160,3 +160,107 @@ fn runs_from_the_command_line_and_exits_0_on_sigterm() {
     assert_eq!(event["fields"]["status"], 200);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// One request on an open HTTP/1.1 connection; returns the body.
+fn ask(conn: &mut std::net::TcpStream, path: &str) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    conn.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut length = 0;
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = v.trim().parse().unwrap();
+        }
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).unwrap();
+    String::from_utf8(body).unwrap()
+}
+
+#[test]
+fn sighup_reloads_a_good_file_and_refuses_a_broken_one() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = std::env::temp_dir().join(format!("sluice-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.toml");
+    let write = |body: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n\
+                 [[routes]]\npath = \"=/ping\"\nrespond = {{ status = 200, body = \"{body}\" }}\n"
+            ),
+        )
+        .unwrap()
+    };
+    write("one");
+    let mut child = sluice()
+        .arg("--config")
+        .arg(&config)
+        // No access log: nobody reads the pipe until the end, and a full pipe
+        // would block the server.
+        .env("RUST_LOG", "info,sluice::access=off")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut conn = loop {
+        if let Ok(c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "sluice did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(ask(&mut conn, "/ping"), "one");
+    let hup = || {
+        assert!(
+            Command::new("kill")
+                .args(["-HUP", &child.id().to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+
+    write("two");
+    hup();
+    // The same keep-alive connection sees the new config once it is in.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ask(&mut conn, "/ping") != "two" {
+        assert!(Instant::now() < deadline, "reload did not take effect");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    std::fs::write(&config, "[server\nbroken").unwrap();
+    hup();
+    let refused = Instant::now();
+    // Still serving the last good config, on the same connection.
+    while refused.elapsed() < Duration::from_millis(300) {
+        assert_eq!(ask(&mut conn, "/ping"), "two");
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    let mut logs = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut logs).unwrap();
+    assert!(logs.contains("configuration reloaded"), "{logs}");
+    assert!(logs.contains("configuration refused"), "{logs}");
+    assert!(
+        logs.contains("unclosed table"),
+        "the reason is logged: {logs}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

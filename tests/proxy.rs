@@ -275,3 +275,48 @@ async fn graceful_shutdown_finishes_requests_in_flight() {
         "still accepting"
     );
 }
+
+#[tokio::test]
+async fn reload_swaps_routes_keeps_counters_and_refuses_bad_files() {
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 3, window = \"1h\" }]\n";
+    let cfg = |body: &str| {
+        format!(
+            "[upstreams.api]\nurl = \"{}\"\n{policy}[[routes]]\npath = \"=/ping\"\nrespond = {{ status = 200, body = \"{body}\" }}\npolicy = \"p\"\n",
+            up.url()
+        )
+    };
+    let s = Sluice::start(&cfg("one")).await;
+    assert_eq!(
+        get(&s.url("/ping"), &[])
+            .await
+            .header_u64("x-ratelimit-remaining"),
+        2
+    );
+    let dir = std::env::temp_dir().join(format!("sluice-reload-in-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("config.toml");
+    std::fs::write(&file, cfg("two")).unwrap();
+    s.proxy.reload(&file).unwrap();
+    let r = get(&s.url("/ping"), &[]).await;
+    assert_eq!(&r.body[..], b"two");
+    assert_eq!(
+        r.header_u64("x-ratelimit-remaining"),
+        1,
+        "counters survive a reload"
+    );
+    std::fs::write(&file, "[[routes]]\npath = \"/\"\nupstream = \"nope\"\n").unwrap();
+    let err = s.proxy.reload(&file).unwrap_err().to_string();
+    assert!(err.contains("unknown upstream 'nope'"), "{err}");
+    assert_eq!(&get(&s.url("/ping"), &[]).await.body[..], b"two");
+    assert_eq!(
+        s.metric("sluice_config_reloads_total{result=\"ok\"}").await,
+        1.0
+    );
+    assert_eq!(
+        s.metric("sluice_config_reloads_total{result=\"error\"}")
+            .await,
+        1.0
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -102,9 +102,53 @@ impl Proxy {
     }
 
     /// Puts a new config in place for new requests; requests in flight finish
-    /// on the one they started with.
+    /// on the one they started with, and connections stay open.
+    ///
+    /// The store, the listeners and the worker count were set up at start: a
+    /// change to `[store]`, `listen`, `admin_listen`, `workers`, `tls` or
+    /// `max_header_bytes` is logged and waits for a restart. Counters live in
+    /// the store, so they survive.
     pub fn replace(&self, config: Config) {
+        let old = self.state.load();
+        let (was, now) = (&old.config, &config);
+        let mut later = Vec::new();
+        if was.store != now.store {
+            later.push("[store]");
+        }
+        if was.server.listen != now.server.listen {
+            later.push("server.listen");
+        }
+        if was.server.admin_listen != now.server.admin_listen {
+            later.push("server.admin_listen");
+        }
+        if was.server.workers != now.server.workers {
+            later.push("server.workers");
+        }
+        if was.server.max_header_bytes != now.server.max_header_bytes {
+            later.push("server.max_header_bytes");
+        }
+        if !later.is_empty() {
+            tracing::warn!(changed = %later.join(", "), "these settings take effect after a restart");
+        }
         self.state.store(Arc::new(State::new(config)));
+    }
+
+    /// Re-reads the config file (SIGHUP): a valid file takes over, an invalid
+    /// one is refused with its reason and the old config keeps serving.
+    pub fn reload(&self, path: &std::path::Path) -> Result<(), crate::config::ConfigError> {
+        match crate::config::load(path) {
+            Ok(config) => {
+                self.replace(config);
+                self.metrics.reload("ok");
+                tracing::info!(config = %path.display(), "configuration reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                self.metrics.reload("error");
+                tracing::error!(config = %path.display(), reason = %e, "configuration refused; the old one keeps serving");
+                Err(e)
+            }
+        }
     }
 
     pub fn limiter(&self) -> &Limiter {
