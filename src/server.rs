@@ -45,13 +45,13 @@ impl Server {
         Server::with_clock(listener, config, Clock::system())
     }
 
-    /// A server on `clock` (tests move it instead of sleeping).
     /// rustls needs one process-wide crypto provider (for `rediss://`).
     fn install_crypto() {
         // Err means one is installed already: fine.
         let _ = rustls::crypto::ring::default_provider().install_default();
     }
 
+    /// A server on `clock` (tests move it instead of sleeping).
     pub fn with_clock(
         listener: TcpListener,
         config: Config,
@@ -108,12 +108,11 @@ impl Server {
         };
         let admin = admin.map(|l| tokio::spawn(crate::admin::serve(l, proxy.clone())));
         let sweeper = tokio::spawn(sweep(proxy.clone(), clock));
-        let preload = proxy.clone();
-        tokio::spawn(async move {
-            if let Store::Redis(r) = preload.limiter().store() {
-                r.preload().await;
-            }
-        });
+        // Load the scripts before serving (each load is bounded by
+        // store.timeout; if Redis is down, requests load them on demand).
+        if let Store::Redis(r) = proxy.limiter().store() {
+            r.preload().await;
+        }
         let graceful = GracefulShutdown::new();
         let builder = connection_builder(&proxy.state().config);
         tokio::pin!(shutdown);

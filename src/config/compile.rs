@@ -316,6 +316,14 @@ fn store(d: &mut Diag, raw: Option<&Spanned<RawStore>>, base: &Path) -> StoreCon
         s.timeout = duration_value(d, "store.timeout", v).unwrap_or(s.timeout);
     }
     if let Some(v) = &r.ca {
+        let tls = s
+            .url
+            .iter()
+            .chain(&s.cluster)
+            .any(|u| u.starts_with("rediss://"));
+        if !tls {
+            d.err(&v.span(), "store.ca: only used with rediss:// URLs");
+        }
         s.ca = Some(file(base, v.get_ref()));
     }
     if let Some(v) = &r.on_error {

@@ -32,7 +32,6 @@ use hyper_util::rt::TokioExecutor;
 
 pub use error::ProxyError;
 
-use crate::clock::Clock;
 use crate::config::{Config, OnError, Route, Target};
 use crate::identity;
 use crate::limiter::{Binding, Limiter, Ticket, Verdict};
@@ -410,12 +409,6 @@ fn head_size<B>(req: &Request<B>) -> usize {
         .fold(line, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
 }
 
-/// Logs store failures at most once a second, so an outage cannot flood the log.
 fn log_store_error(e: &StoreError) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = Clock::system().now_ms() / 1000;
-    if LAST.swap(now, Ordering::Relaxed) != now {
-        tracing::warn!(error = %e, "rate-limit store call failed");
-    }
+    crate::store::log_error(e, "rate-limit store call failed");
 }

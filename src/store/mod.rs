@@ -64,6 +64,16 @@ pub enum StoreError {
     Unavailable(String),
 }
 
+/// Logs a store failure at most once a second, so an outage cannot flood the log.
+pub fn log_error(e: &StoreError, what: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = crate::clock::Clock::system().now_ms() / 1000;
+    if LAST.swap(now, Ordering::Relaxed) != now {
+        tracing::warn!(error = %e, "{what}");
+    }
+}
+
 /// The configured store.
 pub enum Store {
     Memory(memory::MemoryStore),

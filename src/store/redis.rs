@@ -19,6 +19,7 @@
 //! if a later slot rejects, the reservations already taken are refunded, so
 //! nothing is over-charged.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -27,6 +28,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script, ScriptInvocation};
 use tokio::sync::OnceCell;
+use tokio::time::Instant;
 
 use super::{Counter, CounterState, Outcome, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
@@ -44,7 +46,18 @@ struct Cluster {
     conn: OnceCell<ClusterConnection>,
 }
 
-pub struct RedisStore {
+/// Cheap to clone: refunds that must outlive a request run in their own task.
+#[derive(Clone)]
+pub struct RedisStore(Arc<Inner>);
+
+impl std::ops::Deref for RedisStore {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+pub struct Inner {
     conn: Conn,
     acquire: Script,
     refund: Script,
@@ -103,7 +116,7 @@ impl RedisStore {
                 }))
             }
         };
-        Ok(RedisStore {
+        Ok(RedisStore(Arc::new(Inner {
             conn,
             acquire: Script::new(ACQUIRE),
             refund: Script::new(REFUND),
@@ -111,7 +124,7 @@ impl RedisStore {
             timeout: config.timeout,
             clock: config.clock,
             nonce: AtomicU64::new(random_seed() & ((1 << 52) - 1)),
-        })
+        })))
     }
 
     /// Loads both scripts, so the first requests do not meet `NOSCRIPT`. If
@@ -185,6 +198,7 @@ impl RedisStore {
     async fn call<T: redis::FromRedisValue>(
         &self,
         inv: &ScriptInvocation<'_>,
+        deadline: Instant,
     ) -> Result<T, StoreError> {
         let call = async {
             match &self.conn {
@@ -198,7 +212,7 @@ impl RedisStore {
                 }
             }
         };
-        match tokio::time::timeout(self.timeout, call).await {
+        match tokio::time::timeout_at(deadline, call).await {
             Err(_) => Err(StoreError::Timeout),
             Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
             Ok(Ok(v)) => Ok(v),
@@ -214,9 +228,13 @@ impl RedisStore {
         mode: u8,
         now_ms: u64,
     ) -> Result<Outcome, StoreError> {
+        // One deadline for the whole decision, however many slots it takes.
+        let deadline = Instant::now() + self.timeout;
         let groups = self.slot_groups(counters);
         if groups.len() <= 1 {
-            return self.acquire_one(counters, cost, mode, now_ms).await;
+            return self
+                .acquire_one(counters, cost, mode, now_ms, deadline)
+                .await;
         }
         let mut out = Outcome {
             allowed: true,
@@ -235,10 +253,10 @@ impl RedisStore {
         let mut charged: Vec<(Vec<Counter>, Vec<u64>)> = Vec::new();
         for group in groups {
             let part: Vec<Counter> = group.iter().map(|&i| counters[i].clone()).collect();
-            let o = match self.acquire_one(&part, cost, mode, now_ms).await {
+            let o = match self.acquire_one(&part, cost, mode, now_ms, deadline).await {
                 Ok(o) => o,
                 Err(e) => {
-                    self.give_back(charged, cost, now_ms).await;
+                    self.give_back(charged, cost, now_ms, deadline).await;
                     return Err(e);
                 }
             };
@@ -251,7 +269,7 @@ impl RedisStore {
                 out.allowed = false;
                 if mode == 1 {
                     // All or nothing: what earlier slots reserved goes back.
-                    self.give_back(charged, cost, now_ms).await;
+                    self.give_back(charged, cost, now_ms, deadline).await;
                     out.marks.iter_mut().for_each(|m| *m = 0);
                     return Ok(out);
                 }
@@ -262,12 +280,29 @@ impl RedisStore {
         Ok(out)
     }
 
-    async fn give_back(&self, charged: Vec<(Vec<Counter>, Vec<u64>)>, cost: u64, now_ms: u64) {
-        for (part, marks) in charged {
-            if let Err(e) = self.refund_one(&part, &marks, cost, now_ms).await {
-                tracing::warn!(error = %e, "could not give back a partial reservation");
-            }
+    /// Refunds what earlier slots reserved. It runs in a task of its own, so
+    /// that it completes even when the request stops waiting for it at its
+    /// deadline.
+    async fn give_back(
+        &self,
+        charged: Vec<(Vec<Counter>, Vec<u64>)>,
+        cost: u64,
+        now_ms: u64,
+        deadline: Instant,
+    ) {
+        if charged.is_empty() {
+            return;
         }
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            for (part, marks) in charged {
+                let deadline = Instant::now() + this.timeout;
+                if let Err(e) = this.refund_one(&part, &marks, cost, now_ms, deadline).await {
+                    super::log_error(&e, "could not give back a partial reservation");
+                }
+            }
+        });
+        let _ = tokio::time::timeout_at(deadline, task).await;
     }
 
     /// Indices of `counters` grouped by cluster hash tag, in first-seen order;
@@ -293,6 +328,7 @@ impl RedisStore {
         cost: u64,
         mode: u8,
         now_ms: u64,
+        deadline: Instant,
     ) -> Result<Outcome, StoreError> {
         let nonce = self.nonce.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1);
         let mut inv = self.acquire.prepare_invoke();
@@ -302,7 +338,7 @@ impl RedisStore {
             let (alg, param) = script_params(c);
             inv.arg(alg).arg(c.limit).arg(c.window_ms).arg(param);
         }
-        let reply: Vec<i64> = self.call(&inv).await?;
+        let reply: Vec<i64> = self.call(&inv, deadline).await?;
         if reply.len() != 2 + 4 * counters.len() {
             return Err(StoreError::Unavailable(format!(
                 "acquire.lua answered {} values for {} counters",
@@ -336,16 +372,26 @@ impl RedisStore {
         cost: u64,
         now_ms: u64,
     ) -> Result<(), StoreError> {
+        let deadline = Instant::now() + self.timeout;
         let groups = self.slot_groups(counters);
         if groups.len() <= 1 {
-            return self.refund_one(counters, marks, cost, now_ms).await;
+            return self
+                .refund_one(counters, marks, cost, now_ms, deadline)
+                .await;
         }
+        // Every slot gets its refund even when one fails; the first error is reported.
+        let mut result = Ok(());
         for group in groups {
             let part: Vec<Counter> = group.iter().map(|&i| counters[i].clone()).collect();
             let part_marks: Vec<u64> = group.iter().map(|&i| marks[i]).collect();
-            self.refund_one(&part, &part_marks, cost, now_ms).await?;
+            let done = self
+                .refund_one(&part, &part_marks, cost, now_ms, deadline)
+                .await;
+            if result.is_ok() {
+                result = done;
+            }
         }
-        Ok(())
+        result
     }
 
     async fn refund_one(
@@ -354,6 +400,7 @@ impl RedisStore {
         marks: &[u64],
         cost: u64,
         now_ms: u64,
+        deadline: Instant,
     ) -> Result<(), StoreError> {
         let mut inv = self.refund.prepare_invoke();
         self.keys(&mut inv, counters);
@@ -366,7 +413,7 @@ impl RedisStore {
                 .arg(param)
                 .arg(*mark);
         }
-        let _: i64 = self.call(&inv).await?;
+        let _: i64 = self.call(&inv, deadline).await?;
         Ok(())
     }
 }

@@ -389,9 +389,8 @@ impl RedisServer {
     }
 
     /// Commands sent by clients (round trips) since the last reset: every
-    /// call counted by `INFO commandstats`, less the test's own INFO/CONFIG and
-    /// less the commands our Lua scripts run inside an EVALSHA (Redis counts
-    /// those too).
+    /// call counted by `INFO commandstats`, less housekeeping and less the
+    /// commands our Lua scripts run inside an EVALSHA (Redis counts those too).
     pub fn round_trips(&self) -> u64 {
         const INSIDE_SCRIPTS: [&str; 13] = [
             "hgetall",
@@ -408,6 +407,12 @@ impl RedisServer {
             "set",
             "time",
         ];
+        // The test's own INFO/CONFIG, and what connections and the cluster
+        // client do on their own (topology, liveness), are not round trips of
+        // a request.
+        const HOUSEKEEPING: [&str; 9] = [
+            "info", "config", "cluster", "ping", "client", "hello", "readonly", "command", "select",
+        ];
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query(&mut self.conn())
@@ -417,7 +422,7 @@ impl RedisServer {
             .filter_map(|l| l.split_once(":calls="))
             .filter(|(name, _)| {
                 let base = name.split('|').next().unwrap();
-                base != "info" && base != "config" && !INSIDE_SCRIPTS.contains(&base)
+                !HOUSEKEEPING.contains(&base) && !INSIDE_SCRIPTS.contains(&base)
             })
             .map(|(_, rest)| rest.split(',').next().unwrap().parse::<u64>().unwrap())
             .sum()
@@ -450,6 +455,20 @@ impl RedisServer {
             .stderr(std::process::Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
+    }
+}
+
+impl RedisServer {
+    /// Whether this server is a master now (a replica may have been promoted).
+    pub fn is_master(&self) -> bool {
+        let Ok(mut c) = self.client().get_connection() else {
+            return false;
+        };
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut c)
+            .unwrap_or_default();
+        info.contains("role:master")
     }
 }
 
@@ -681,7 +700,8 @@ impl TestRedis {
     fn servers(&self) -> Vec<&RedisServer> {
         match self {
             TestRedis::Single(r) => vec![r],
-            TestRedis::Cluster(c) => c.nodes.iter().collect(),
+            // Replicas replay what masters did: only masters serve clients.
+            TestRedis::Cluster(c) => c.nodes.iter().filter(|n| n.is_master()).collect(),
         }
     }
 
