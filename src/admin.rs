@@ -1,6 +1,8 @@
 //! The admin listener (`server.admin_listen`): `/healthz` (the process is up),
-//! `/readyz` (config loaded and the store answers; 503 otherwise) and
-//! `/metrics` (Prometheus text). Off unless configured; keep it on loopback.
+//! `/readyz` (config loaded and the store answers; 503 otherwise), `/metrics`
+//! (Prometheus text) and `/usage?policy=NAME&key=KEY&value=VALUE` (GET: one
+//! identity's usage under each limit of a policy; DELETE: reset it). Off
+//! unless configured; keep it on loopback: it has no authentication.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -14,6 +16,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
+use crate::config::{KeySpec, duration};
 use crate::proxy::Proxy;
 
 /// Serves admin requests until the task is dropped.
@@ -46,6 +49,10 @@ async fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Full<Bytes>> 
         resp
     };
     const PLAIN: &str = "text/plain; charset=utf-8";
+    if req.uri().path() == "/usage" {
+        let (status, body) = usage(proxy, &req).await;
+        return text(status, body.to_string(), "application/json");
+    }
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n".into(), PLAIN);
     }
@@ -66,4 +73,93 @@ async fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Full<Bytes>> 
         ),
         _ => text(StatusCode::NOT_FOUND, "not found\n".into(), PLAIN),
     }
+}
+
+/// `GET|DELETE /usage?policy=NAME&key=KEY&value=VALUE`.
+async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_json::Value) {
+    let problem = |status: StatusCode, detail: String| {
+        (
+            status,
+            serde_json::json!({ "status": status.as_u16(), "detail": detail }),
+        )
+    };
+    let (mut policy, mut key, mut value) = (None, None, None);
+    for (k, v) in form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
+        match &*k {
+            "policy" => policy = Some(v.into_owned()),
+            "key" => key = Some(v.into_owned()),
+            "value" => value = Some(v.into_owned()),
+            _ => {}
+        }
+    }
+    let (Some(policy_name), Some(key)) = (policy, key) else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "policy and key are required".into(),
+        );
+    };
+    let spec: KeySpec = match key.parse() {
+        Ok(spec) => spec,
+        Err(e) => return problem(StatusCode::BAD_REQUEST, e),
+    };
+    let value = match (&spec, value) {
+        (KeySpec::Global, _) => String::new(),
+        // The canonical form, as the proxy counts it.
+        (KeySpec::Ip, Some(v)) => match v.parse::<std::net::IpAddr>() {
+            Ok(ip) => ip.to_canonical().to_string(),
+            Err(_) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    format!("'{v}' is not an IP address"),
+                );
+            }
+        },
+        (_, Some(v)) if !v.is_empty() => v,
+        _ => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "value is required for this key".into(),
+            );
+        }
+    };
+    let state = proxy.state();
+    let Some(policy) = state.config.policies.iter().find(|p| p.name == policy_name) else {
+        return problem(StatusCode::NOT_FOUND, format!("no policy '{policy_name}'"));
+    };
+    let limiter = proxy.limiter();
+    let result = match *req.method() {
+        Method::DELETE => limiter
+            .reset(policy, &spec, value.as_bytes())
+            .await
+            .map(|_| Vec::new()),
+        Method::GET | Method::HEAD => limiter.usage(policy, &spec, value.as_bytes()).await,
+        _ => return problem(StatusCode::METHOD_NOT_ALLOWED, "GET or DELETE".into()),
+    };
+    let usage = match result {
+        Ok(usage) => usage,
+        Err(e) => return problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    };
+    if req.method() == Method::DELETE {
+        return (
+            StatusCode::OK,
+            serde_json::json!({ "policy": policy.name, "key": key, "value": value, "reset": true }),
+        );
+    }
+    let limits: Vec<serde_json::Value> = usage
+        .iter()
+        .map(|u| {
+            serde_json::json!({
+                "limit": u.limit.limit,
+                "window": duration::format(u.limit.window),
+                "algorithm": u.limit.algorithm.name(),
+                "used": u.used,
+                "remaining": u.remaining,
+                "reset": u.reset_ms.div_ceil(1000),
+            })
+        })
+        .collect();
+    (
+        StatusCode::OK,
+        serde_json::json!({ "policy": policy.name, "key": key, "value": value, "limits": limits }),
+    )
 }

@@ -73,6 +73,13 @@ impl DenyCache {
         );
     }
 
+    pub fn remove(&self, key: &[u8]) {
+        self.entries
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+    }
+
     pub fn len(&self) -> usize {
         self.entries.read().unwrap_or_else(|e| e.into_inner()).len()
     }

@@ -12,7 +12,7 @@ use http::{HeaderMap, StatusCode};
 use sha2::{Digest, Sha256};
 
 use crate::clock::Clock;
-use crate::config::{Charge, Mode, Policy};
+use crate::config::{Charge, KeySpec, Mode, Policy};
 use crate::deny_cache::DenyCache;
 use crate::identity::{self, Identity};
 use crate::store::{Counter, Store, StoreError};
@@ -197,6 +197,88 @@ impl Limiter {
             }
             _ => Ok(false),
         }
+    }
+}
+
+/// One limit's standing for one identity, as the usage endpoint reports it.
+pub struct Usage {
+    pub limit: crate::config::Limit,
+    pub used: u64,
+    pub remaining: u64,
+    pub reset_ms: u64,
+}
+
+impl Limiter {
+    /// The counters of `policy` that count the identity `spec = value`.
+    fn identity_counters(policy: &Policy, spec: &KeySpec, value: &[u8]) -> Vec<(usize, Counter)> {
+        let id = Identity {
+            spec: spec.clone(),
+            value: value.to_vec(),
+        };
+        policy
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.keys.contains(spec))
+            .map(|(i, l)| {
+                (
+                    i,
+                    Counter {
+                        key: counter_key(&policy.name, &l.id, &id),
+                        limit: l.limit,
+                        window_ms: l.window.as_millis() as u64,
+                        algorithm: l.algorithm,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Current usage of one identity under each limit of a policy that counts
+    /// it; charges nothing.
+    pub async fn usage(
+        &self,
+        policy: &Policy,
+        spec: &KeySpec,
+        value: &[u8],
+    ) -> Result<Vec<Usage>, StoreError> {
+        let found = Self::identity_counters(policy, spec, value);
+        let counters: Vec<Counter> = found.iter().map(|(_, c)| c.clone()).collect();
+        if counters.is_empty() {
+            return Ok(Vec::new());
+        }
+        let outcome = self
+            .store
+            .acquire(&counters, 0, false, self.clock.now_ms())
+            .await?;
+        Ok(found
+            .into_iter()
+            .zip(outcome.states)
+            .map(|((i, c), s)| Usage {
+                limit: policy.limits[i].clone(),
+                used: c.limit.saturating_sub(s.remaining),
+                remaining: s.remaining,
+                reset_ms: s.reset_ms,
+            })
+            .collect())
+    }
+
+    /// Deletes one identity's counters under a policy (and forgets any local
+    /// denial of them).
+    pub async fn reset(
+        &self,
+        policy: &Policy,
+        spec: &KeySpec,
+        value: &[u8],
+    ) -> Result<(), StoreError> {
+        let counters: Vec<Counter> = Self::identity_counters(policy, spec, value)
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect();
+        if let Some(cache) = &self.deny_cache {
+            counters.iter().for_each(|c| cache.remove(&c.key));
+        }
+        self.store.forget(&counters).await
     }
 }
 

@@ -393,3 +393,72 @@ async fn deny_cache_makes_an_abusive_client_free_for_redis_on(redis: TestRedis) 
         }
     }
 }
+
+on_both!(
+    usage_endpoint_reports_and_resets_an_identity,
+    usage_endpoint_on
+);
+
+async fn usage_endpoint_on(redis: TestRedis) {
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 3, window = \"1h\" }, { limit = 10, window = \"1d\", algorithm = \"log\" }]";
+    let s = Sluice::start_with_clock(
+        &config(&redis, &up, "local", policy),
+        clock_at_window_start(3_600_000),
+    )
+    .await;
+    for _ in 0..3 {
+        assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    }
+    let denied = get(&s.url("/"), &[]).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    let usage = get(&s.admin_url("/usage?policy=p&key=ip&value=127.0.0.1"), &[]).await;
+    assert_eq!(usage.status, StatusCode::OK);
+    let u = usage.json();
+    assert_eq!(u["policy"], "p");
+    assert_eq!(u["limits"][0]["used"], 3);
+    assert_eq!(u["limits"][0]["remaining"], 0);
+    assert_eq!(u["limits"][0]["window"], "1h");
+    assert_eq!(
+        u["limits"][0]["reset"].as_u64(),
+        denied
+            .header("x-ratelimit-reset")
+            .map(|r| r.parse().unwrap())
+    );
+    assert_eq!(u["limits"][1]["algorithm"], "log");
+    assert_eq!(u["limits"][1]["used"], 3);
+    // Asking charged nothing.
+    let again = get(&s.admin_url("/usage?policy=p&key=ip&value=127.0.0.1"), &[]).await;
+    assert_eq!(again.json()["limits"][0]["used"], 3);
+    // The operator's unban: the client is served at once (the deny cache forgets it too).
+    let del = send(
+        &client(),
+        http::Request::delete(s.admin_url("/usage?policy=p&key=ip&value=127.0.0.1"))
+            .body(empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(del.status, StatusCode::OK);
+    let r = get(&s.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header_u64("x-ratelimit-remaining"), 2);
+    // Bad questions get clear answers.
+    assert_eq!(
+        get(&s.admin_url("/usage?policy=nope&key=ip&value=1.2.3.4"), &[])
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        get(&s.admin_url("/usage?policy=p&key=cookie:x&value=1"), &[])
+            .await
+            .status,
+        StatusCode::BAD_REQUEST
+    );
+    assert_eq!(
+        get(&s.admin_url("/usage?policy=p&key=ip&value=not-an-ip"), &[])
+            .await
+            .status,
+        StatusCode::BAD_REQUEST
+    );
+}

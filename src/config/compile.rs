@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, Method, StatusCode};
+use http::{Method, StatusCode};
 use ipnet::IpNet;
 use toml::Spanned;
 
@@ -452,25 +452,10 @@ fn key_specs(d: &mut Diag, key: &str, value: &Spanned<toml::Value>) -> Option<Ve
             );
             return None;
         };
-        let spec = match text.split_once(':') {
-            None if text == "ip" => KeySpec::Ip,
-            None if text == "global" => KeySpec::Global,
-            Some(("header", name)) => match HeaderName::from_bytes(name.as_bytes()) {
-                Ok(h) => KeySpec::Header(h),
-                Err(_) => {
-                    d.err(
-                        &value.span(),
-                        format!("{key}: '{name}' is not a valid header name"),
-                    );
-                    return None;
-                }
-            },
-            Some(("query", name)) if !name.is_empty() => KeySpec::Query(name.to_string()),
-            _ => {
-                d.err(
-                    &value.span(),
-                    format!("{key}: unknown key '{text}' (use \"ip\", \"header:NAME\", \"query:NAME\" or \"global\")"),
-                );
+        let spec = match text.parse::<KeySpec>() {
+            Ok(spec) => spec,
+            Err(e) => {
+                d.err(&value.span(), format!("{key}: {e}"));
                 return None;
             }
         };

@@ -153,6 +153,25 @@ impl fmt::Display for KeySpec {
     }
 }
 
+impl std::str::FromStr for KeySpec {
+    type Err = String;
+
+    /// `ip`, `global`, `header:NAME` or `query:NAME`.
+    fn from_str(text: &str) -> Result<KeySpec, String> {
+        match text.split_once(':') {
+            None if text == "ip" => Ok(KeySpec::Ip),
+            None if text == "global" => Ok(KeySpec::Global),
+            Some(("header", name)) => HeaderName::from_bytes(name.as_bytes())
+                .map(KeySpec::Header)
+                .map_err(|_| format!("'{name}' is not a valid header name")),
+            Some(("query", name)) if !name.is_empty() => Ok(KeySpec::Query(name.to_string())),
+            _ => Err(format!(
+                "unknown key '{text}' (use \"ip\", \"header:NAME\", \"query:NAME\" or \"global\")"
+            )),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
     Fixed,

@@ -106,6 +106,13 @@ impl MemoryStore {
         }
     }
 
+    pub fn forget(&self, counters: &[Counter]) {
+        let mut inner = self.lock();
+        for c in counters {
+            inner.map.remove(&c.key);
+        }
+    }
+
     /// Drops expired entries; the server calls it now and then.
     pub fn sweep(&self, now: u64) {
         self.lock().map.retain(|_, e| e.expires_ms > now);

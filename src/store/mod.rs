@@ -114,6 +114,17 @@ impl Store {
         }
     }
 
+    /// Deletes counters (the admin's "unban").
+    pub async fn forget(&self, counters: &[Counter]) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.forget(counters);
+                Ok(())
+            }
+            Store::Redis(r) => r.forget(counters).await,
+        }
+    }
+
     /// Whether the store answers (for `/readyz`).
     pub async fn ping(&self) -> Result<(), StoreError> {
         match self {

@@ -154,6 +154,36 @@ impl RedisStore {
         }
     }
 
+    /// Deletes counters, one `DEL` per key (keys of several slots cannot share
+    /// one on a cluster).
+    pub async fn forget(&self, counters: &[Counter]) -> Result<(), StoreError> {
+        let deadline = Instant::now() + self.timeout;
+        for c in counters {
+            let mut key = self.prefix.as_bytes().to_vec();
+            key.extend_from_slice(&c.key);
+            let mut cmd = redis::cmd("DEL");
+            cmd.arg(key);
+            let del = async {
+                match &self.conn {
+                    Conn::Single(conn) => cmd.query_async::<i64>(&mut conn.clone()).await,
+                    Conn::Cluster(cluster) => {
+                        let Cluster { client, conn } = &**cluster;
+                        let conn = conn
+                            .get_or_try_init(|| client.get_async_connection())
+                            .await?;
+                        cmd.query_async::<i64>(&mut conn.clone()).await
+                    }
+                }
+            };
+            match tokio::time::timeout_at(deadline, del).await {
+                Err(_) => return Err(StoreError::Timeout),
+                Ok(Err(e)) => return Err(StoreError::Unavailable(e.to_string())),
+                Ok(Ok(_)) => {}
+            }
+        }
+        Ok(())
+    }
+
     fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(_))
     }
