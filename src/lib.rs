@@ -12,6 +12,7 @@
 //! - [`deny_cache`]: denials remembered locally, so a flood costs the store nothing.
 //! - [`store`]: where counters live (memory, Redis).
 //! - [`config`]: the TOML file, checked, with `file:line` errors.
+//! - [`tls`]: rustls settings for TLS termination and https upstreams.
 //! - [`clock`]: unix milliseconds, movable in tests.
 //! - [`admin`], [`metrics`]: `/healthz`, `/readyz`, `/metrics` on `admin_listen`.
 
@@ -26,5 +27,6 @@ pub mod proxy;
 pub mod router;
 pub mod server;
 pub mod store;
+pub mod tls;
 
 pub use server::{Server, ServerError, run};

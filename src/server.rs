@@ -25,12 +25,17 @@ use crate::store::redis::RedisStore;
 pub enum ServerError {
     #[error("store: {0}")]
     Store(#[from] crate::store::StoreError),
+    #[error("server.tls: {0}")]
+    Tls(#[from] crate::tls::TlsError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: String,
         source: std::io::Error,
     },
 }
+
+/// How long a client may take to finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A configured server, not yet running: tests reach its proxy and clock.
 pub struct Server {
@@ -45,25 +50,20 @@ impl Server {
         Server::with_clock(listener, config, Clock::system())
     }
 
-    /// rustls needs one process-wide crypto provider (for `rediss://`).
-    fn install_crypto() {
-        // Err means one is installed already: fine.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    }
-
     /// A server on `clock` (tests move it instead of sleeping).
     pub fn with_clock(
         listener: TcpListener,
         config: Config,
         clock: Clock,
     ) -> Result<Server, ServerError> {
-        Self::install_crypto();
+        crate::tls::install_crypto();
         let store = match config.store.backend {
             Backend::Memory => Store::Memory(MemoryStore::new(config.store.max_keys)),
             Backend::Redis => Store::Redis(RedisStore::new(&config.store)?),
         };
         let limiter = Limiter::new(store, clock.clone(), config.store.deny_cache);
-        let proxy = Arc::new(Proxy::new(config, limiter, false));
+        let https = config.server.tls.is_some();
+        let proxy = Arc::new(Proxy::new(config, limiter, https)?);
         Ok(Server {
             listener,
             admin: None,
@@ -115,6 +115,12 @@ impl Server {
         }
         let graceful = GracefulShutdown::new();
         let builder = connection_builder(&proxy.state().config);
+        let tls = match &proxy.state().config.server.tls {
+            Some(files) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
+                files,
+            )?)),
+            None => None,
+        };
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -135,13 +141,36 @@ impl Server {
                         let proxy = proxy.clone();
                         async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
                     });
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                    let conn = graceful.watch(conn.into_owned());
-                    tokio::spawn(async move {
-                        if let Err(e) = conn.await {
-                            tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+                    match &tls {
+                        None => {
+                            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                            let conn = graceful.watch(conn.into_owned());
+                            tokio::spawn(async move {
+                                if let Err(e) = conn.await {
+                                    tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+                                }
+                            });
                         }
-                    });
+                        Some(acceptor) => {
+                            // The handshake runs in the connection's own task, so a
+                            // slow client cannot hold up accepting.
+                            let (acceptor, builder, watcher) = (acceptor.clone(), builder.clone(), graceful.watcher());
+                            tokio::spawn(async move {
+                                let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                                    Ok(Ok(stream)) => stream,
+                                    Ok(Err(e)) => {
+                                        tracing::debug!(peer = %peer, error = %e, "TLS handshake failed");
+                                        return;
+                                    }
+                                    Err(_) => return,
+                                };
+                                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                                if let Err(e) = watcher.watch(conn.into_owned()).await {
+                                    tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+                                }
+                            });
+                        }
+                    }
                 }
                 _ = &mut shutdown => break,
             }

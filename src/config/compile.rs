@@ -236,17 +236,17 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         }
     }
     if let Some(tls) = &raw.tls {
-        // Refused rather than ignored: serving plain HTTP where TLS was asked
-        // for would be worse than not starting.
-        d.err(
-            &tls.span(),
-            "server.tls: TLS termination is not available in this version yet",
-        );
         let t = tls.get_ref();
-        s.tls = Some(TlsFiles {
+        let files = TlsFiles {
             cert: file(base, t.cert.get_ref()),
             key: file(base, t.key.get_ref()),
-        });
+        };
+        // Load them now, so that `sluice check` (and a reload) refuse a bad
+        // certificate instead of the server failing at start.
+        if let Err(e) = crate::tls::server_config(&files) {
+            d.err(&tls.span(), format!("server.tls: {e}"));
+        }
+        s.tls = Some(files);
     }
     s
 }
@@ -398,10 +398,17 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
     if servers.is_empty() {
         return None;
     }
+    let ca = r.ca.as_ref().map(|v| (v, file(base, v.get_ref())));
+    if let Some((v, path)) = &ca
+        && let Err(e) = crate::tls::check_ca(path)
+    {
+        d.err(&v.span(), format!("{key}: ca: {e}"));
+        return None;
+    }
     Some(Upstream {
         name: name.to_string(),
         servers,
-        ca: r.ca.as_ref().map(|v| file(base, v.get_ref())),
+        ca: ca.map(|(_, path)| path),
         pass_host: r.pass_host.unwrap_or(false),
         next: Default::default(),
     })
@@ -410,10 +417,7 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
 fn server_url(text: &str) -> Result<UpstreamServer, &'static str> {
     let uri: http::Uri = text.parse().map_err(|_| "not a URL")?;
     let scheme = uri.scheme().cloned().ok_or("needs http:// or https://")?;
-    if scheme == http::uri::Scheme::HTTPS {
-        return Err("https:// upstreams are not available in this version yet");
-    }
-    if scheme != http::uri::Scheme::HTTP {
+    if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
         return Err("needs http:// or https://");
     }
     let authority = uri.authority().cloned().ok_or("needs a host")?;

@@ -15,7 +15,32 @@ use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
 use hyper::body::Incoming;
 
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
 use crate::config::{Upstream, UpstreamServer};
+use crate::tls::TlsError;
+
+/// A pooled, keep-alive client for http:// and https:// upstreams.
+pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Incoming>;
+
+/// A client trusting the system roots, plus `extra_ca` if given.
+pub fn client(extra_ca: Option<&std::path::Path>) -> Result<UpstreamClient, TlsError> {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_keepalive(Some(std::time::Duration::from_secs(60)));
+    http.enforce_http(false);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(crate::tls::client_config(extra_ca)?)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(std::time::Duration::from_secs(60))
+        .build(connector))
+}
 
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,

@@ -26,9 +26,9 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use std::collections::HashMap;
+
+use forward::UpstreamClient;
 
 pub use error::ProxyError;
 
@@ -38,6 +38,7 @@ use crate::limiter::{Binding, Limiter, Ticket, Verdict};
 use crate::metrics::{Metrics, RouteStatus, UpstreamLabel};
 use crate::router::Router;
 use crate::store::StoreError;
+use crate::tls::TlsError;
 
 /// The body of every response sluice sends: the upstream's, streamed, or its own.
 pub type Body = Either<Incoming, Full<Bytes>>;
@@ -46,14 +47,24 @@ pub type Body = Either<Incoming, Full<Bytes>>;
 pub struct State {
     pub config: Config,
     router: Router,
+    /// Clients of the upstreams that trust an extra CA, by upstream name; the
+    /// others share the proxy's client.
+    clients: HashMap<String, UpstreamClient>,
 }
 
 impl State {
-    pub fn new(config: Config) -> State {
-        State {
+    pub fn new(config: Config) -> Result<State, TlsError> {
+        let mut clients = HashMap::new();
+        for u in config.upstreams.iter() {
+            if let Some(ca) = &u.ca {
+                clients.insert(u.name.clone(), forward::client(Some(ca))?);
+            }
+        }
+        Ok(State {
             router: Router::new(&config.routes),
             config,
-        }
+            clients,
+        })
     }
 }
 
@@ -61,7 +72,7 @@ impl State {
 pub struct Proxy {
     state: ArcSwap<State>,
     limiter: Limiter,
-    client: Client<HttpConnector, Incoming>,
+    client: UpstreamClient,
     metrics: Arc<Metrics>,
     /// Set when sluice terminates TLS: the scheme of `X-Forwarded-Proto`.
     https: bool,
@@ -76,20 +87,14 @@ struct RequestCtx {
 }
 
 impl Proxy {
-    pub fn new(config: Config, limiter: Limiter, https: bool) -> Proxy {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_keepalive(Some(Duration::from_secs(60)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector);
-        Proxy {
-            state: ArcSwap::from_pointee(State::new(config)),
+    pub fn new(config: Config, limiter: Limiter, https: bool) -> Result<Proxy, TlsError> {
+        Ok(Proxy {
+            state: ArcSwap::from_pointee(State::new(config)?),
             limiter,
-            client,
+            client: forward::client(None)?,
             metrics: Arc::new(Metrics::default()),
             https,
-        }
+        })
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -107,9 +112,10 @@ impl Proxy {
     /// change to `[store]`, `listen`, `admin_listen`, `workers`, `tls` or
     /// `max_header_bytes` is logged and waits for a restart. Counters live in
     /// the store, so they survive.
-    pub fn replace(&self, config: Config) {
+    pub fn replace(&self, config: Config) -> Result<(), TlsError> {
+        let state = State::new(config)?;
         let old = self.state.load();
-        let (was, now) = (&old.config, &config);
+        let (was, now) = (&old.config, &state.config);
         let mut later = Vec::new();
         if was.store != now.store {
             later.push("[store]");
@@ -129,15 +135,19 @@ impl Proxy {
         if !later.is_empty() {
             tracing::warn!(changed = %later.join(", "), "these settings take effect after a restart");
         }
-        self.state.store(Arc::new(State::new(config)));
+        self.state.store(Arc::new(state));
+        Ok(())
     }
 
     /// Re-reads the config file (SIGHUP): a valid file takes over, an invalid
     /// one is refused with its reason and the old config keeps serving.
     pub fn reload(&self, path: &std::path::Path) -> Result<(), crate::config::ConfigError> {
-        match crate::config::load(path) {
-            Ok(config) => {
-                self.replace(config);
+        let loaded = crate::config::load(path).and_then(|config| {
+            self.replace(config)
+                .map_err(|e| crate::config::ConfigError::Invalid(vec![e.to_string()]))
+        });
+        match loaded {
+            Ok(()) => {
                 self.metrics.reload("ok");
                 tracing::info!(config = %path.display(), "configuration reloaded");
                 Ok(())
@@ -269,8 +279,7 @@ impl Proxy {
         }
 
         // 4. forward
-        let timeout = config.server.upstream_timeout;
-        let outcome = self.forward(route, req, peer, host, timeout, ctx).await;
+        let outcome = self.forward(route, req, peer, host, state, ctx).await;
 
         // 5. settle
         let status = match &outcome {
@@ -312,9 +321,10 @@ impl Proxy {
         req: Request<Incoming>,
         peer: SocketAddr,
         host: Option<HeaderValue>,
-        timeout: Duration,
+        state: &State,
         ctx: &mut RequestCtx,
     ) -> Result<Response<Body>, ProxyError> {
+        let timeout = state.config.server.upstream_timeout;
         let upstream = match &route.target {
             Target::Respond {
                 status,
@@ -335,7 +345,8 @@ impl Proxy {
             forward::rewrite_request(req, upstream, server, peer.ip(), host.as_ref(), self.https)
                 .map_err(ProxyError::BadRequest)?;
         let sent = Instant::now();
-        let result = tokio::time::timeout(timeout, self.client.request(req)).await;
+        let client = state.clients.get(&upstream.name).unwrap_or(&self.client);
+        let result = tokio::time::timeout(timeout, client.request(req)).await;
         ctx.upstream_time = Some(sent.elapsed());
         self.metrics
             .upstream_seconds

@@ -1,0 +1,134 @@
+//! TLS: termination with HTTP/1.1 and HTTP/2 by ALPN, and https upstreams
+//! verified against an extra CA. Certificates are made on the spot.
+
+mod support;
+
+use std::path::PathBuf;
+
+use http::{Request, StatusCode, Version};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use support::*;
+
+/// A self-signed certificate for 127.0.0.1 and localhost: (cert, key) files.
+fn certificate(dir: &std::path::Path) -> (PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let c =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+            .unwrap();
+    let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
+    std::fs::write(&cert, c.cert.pem()).unwrap();
+    std::fs::write(&key, c.signing_key.serialize_pem()).unwrap();
+    (cert, key)
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("sluice-{name}-{}", std::process::id()))
+}
+
+/// A real TLS client trusting `ca`, speaking HTTP/2 when ALPN offers it
+/// (`h2 = true`) or HTTP/1.1 only.
+fn tls_client(
+    ca: &std::path::Path,
+    h2: bool,
+) -> Client<hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>, BoxBody>
+{
+    let config = sluice::tls::client_config(Some(ca)).unwrap();
+    let builder = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only();
+    let connector = if h2 {
+        builder.enable_all_versions().build()
+    } else {
+        builder.enable_http1().build()
+    };
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+#[tokio::test]
+async fn terminates_tls_with_http1_and_http2_by_alpn() {
+    let dir = temp_dir("tls-term");
+    let (cert, key) = certificate(&dir);
+    let up = Upstream::start().await;
+    let cfg = format!(
+        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n[upstreams.api]\nurl = \"{}\"\n\
+         [policies.p]\nlimits = [{{ limit = 5, window = \"1h\" }}]\n\
+         [[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"\n",
+        cert.display(),
+        key.display(),
+        up.url()
+    );
+    let s = Sluice::start(&cfg).await;
+    let url = format!("https://127.0.0.1:{}/echo?x=1", s.addr.port());
+    for (h2, version) in [(false, Version::HTTP_11), (true, Version::HTTP_2)] {
+        let c = tls_client(&cert, h2);
+        let resp = c
+            .request(Request::get(&url).body(empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.version(), version);
+        assert!(resp.headers().contains_key("x-ratelimit-remaining"));
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let echo: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(echo["headers"]["x-forwarded-proto"][0], "https");
+        assert_eq!(echo["uri"], "/echo?x=1");
+    }
+    // Plain HTTP on the TLS port is not served.
+    let plain = raw(s.addr, b"GET / HTTP/1.1\r\nhost: a\r\n\r\n").await;
+    assert!(!plain.starts_with("HTTP/1.1 200"), "{plain}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test]
+async fn https_upstreams_verify_against_an_extra_ca() {
+    let dir = temp_dir("tls-up");
+    let (cert, key) = certificate(&dir);
+    // The upstream: another sluice, terminating TLS and answering itself.
+    let upstream = Sluice::start(&format!(
+        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"secure\" }}\n",
+        cert.display(),
+        key.display()
+    ))
+    .await;
+    let front = |ca: &str| {
+        format!(
+            "[upstreams.secure]\nurl = \"https://127.0.0.1:{}\"\n{ca}\n\
+             [[routes]]\npath = \"/\"\nupstream = \"secure\"\n",
+            upstream.addr.port()
+        )
+    };
+    let trusting = Sluice::start(&front(&format!("ca = \"{}\"", cert.display()))).await;
+    let r = get(&trusting.url("/x"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(&r.body[..], b"secure");
+    // With the system roots only, the private certificate is refused: 502.
+    let strict = Sluice::start(&front("")).await;
+    assert_eq!(
+        get(&strict.url("/x"), &[]).await.status,
+        StatusCode::BAD_GATEWAY
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_bad_certificate_is_a_clear_error() {
+    let dir = temp_dir("tls-bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let junk = dir.join("junk.pem");
+    std::fs::write(&junk, "not a certificate").unwrap();
+    let cfg = format!(
+        "[server.tls]\ncert = \"{0}\"\nkey = \"{0}\"\n",
+        junk.display()
+    );
+    let err = sluice::config::parse(&cfg, "tls.toml", &dir)
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("tls.toml:1: server.tls: "), "{err}");
+    assert!(err.contains("junk.pem"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
