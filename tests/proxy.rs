@@ -320,3 +320,61 @@ async fn reload_swaps_routes_keeps_counters_and_refuses_bad_files() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[tokio::test]
+async fn upgrade_requests_pass_through_both_ways() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (up, sluice) = setup().await;
+    let mut conn = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    conn.write_all(
+        b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        conn.read_exact(&mut byte).await.unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap().to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: echo"), "{head}");
+    for message in [&b"hello"[..], b"through the proxy"] {
+        conn.write_all(message).await.unwrap();
+        let mut back = vec![0u8; message.len()];
+        conn.read_exact(&mut back).await.unwrap();
+        assert_eq!(back, message);
+    }
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn round_robin_skips_a_server_that_refuses_connections() {
+    let (a, b) = (Upstream::start().await, Upstream::start().await);
+    let dead = dead_port().await;
+    let cfg = format!(
+        "[upstreams.pool]\nurls = [\"http://{dead}\", \"{}\", \"{}\"]\n[[routes]]\npath = \"/\"\nupstream = \"pool\"\n",
+        a.url(),
+        b.url()
+    );
+    let s = Sluice::start(&cfg).await;
+    let mut statuses = Vec::new();
+    for _ in 0..13 {
+        statuses.push(get(&s.url("/"), &[]).await.status);
+    }
+    // The dead server costs one 502, then is skipped.
+    let failed = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::BAD_GATEWAY)
+        .count();
+    assert_eq!(failed, 1, "{statuses:?}");
+    // The live ones share the rest.
+    assert_eq!(a.hits() + b.hits(), 12);
+    assert!(
+        a.hits() >= 4 && b.hits() >= 4,
+        "{} / {}",
+        a.hits(),
+        b.hits()
+    );
+}

@@ -407,6 +407,7 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
     }
     Some(Upstream {
         name: name.to_string(),
+        down_until: servers.iter().map(|_| Default::default()).collect(),
         servers,
         ca: ca.map(|(_, path)| path),
         pass_host: r.pass_host.unwrap_or(false),

@@ -117,6 +117,9 @@ pub struct Upstream {
     /// Round-robin position: runtime state, but one counter per upstream is all
     /// balancing needs, and it lives and dies with this config.
     pub next: std::sync::atomic::AtomicUsize,
+    /// Per server: unix ms until which it is skipped after refusing a
+    /// connection (passive health).
+    pub down_until: Vec<std::sync::atomic::AtomicU64>,
 }
 
 #[derive(Debug, Clone)]

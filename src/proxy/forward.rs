@@ -68,10 +68,36 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(header::UPGRADE);
 }
 
-/// The next server of an upstream, round robin.
-pub fn pick(upstream: &Upstream) -> &UpstreamServer {
-    let i = upstream.next.fetch_add(1, Ordering::Relaxed);
-    &upstream.servers[i % upstream.servers.len()]
+/// How long a server that refused a connection is skipped.
+pub const DOWN_FOR_MS: u64 = 10_000;
+
+/// The next server of an upstream, round robin, skipping servers marked down
+/// (unless all are: then the turn's server is tried anyway).
+pub fn pick(upstream: &Upstream, now_ms: u64) -> usize {
+    let n = upstream.servers.len();
+    let start = upstream.next.fetch_add(1, Ordering::Relaxed);
+    (0..n)
+        .map(|k| (start + k) % n)
+        .find(|&i| upstream.down_until[i].load(Ordering::Relaxed) <= now_ms)
+        .unwrap_or(start % n)
+}
+
+/// Passive health: a server that refused a connection is skipped for a while.
+pub fn mark_down(upstream: &Upstream, i: usize, now_ms: u64) {
+    upstream.down_until[i].store(now_ms + DOWN_FOR_MS, Ordering::Relaxed);
+}
+
+/// The protocol a request asks to switch to (`Connection: upgrade` with an
+/// `Upgrade` header, e.g. WebSocket), if any.
+pub fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
+    let asks = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    asks.then(|| headers.get(header::UPGRADE).cloned())
+        .flatten()
 }
 
 /// Turns the client's request into the upstream's, in place of its parts.
@@ -82,6 +108,7 @@ pub fn rewrite_request(
     peer: IpAddr,
     host: Option<&HeaderValue>,
     https: bool,
+    upgrade: Option<&HeaderValue>,
 ) -> Result<Request<Incoming>, &'static str> {
     let (mut parts, body) = req.into_parts();
     let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
@@ -101,6 +128,10 @@ pub fn rewrite_request(
 
     let headers = &mut parts.headers;
     strip_hop_by_hop(headers);
+    if let Some(protocol) = upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, protocol.clone());
+    }
     if let Some(host) = host {
         headers.insert("x-forwarded-host", host.clone());
     }

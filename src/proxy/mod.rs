@@ -28,6 +28,9 @@ use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use std::collections::HashMap;
 
+use http::StatusCode;
+use hyper_util::rt::TokioIo;
+
 use forward::UpstreamClient;
 
 pub use error::ProxyError;
@@ -340,10 +343,26 @@ impl Proxy {
             }
             Target::Upstream(upstream) => upstream,
         };
-        let server = forward::pick(upstream);
-        let req =
-            forward::rewrite_request(req, upstream, server, peer.ip(), host.as_ref(), self.https)
-                .map_err(ProxyError::BadRequest)?;
+        let now_ms = crate::clock::Clock::system().now_ms();
+        let index = forward::pick(upstream, now_ms);
+        let server = &upstream.servers[index];
+        let mut req = req;
+        // An Upgrade (WebSocket...) is passed through: both sides switch, then
+        // bytes are copied both ways until either closes.
+        let upgrade = (req.version() == http::Version::HTTP_11)
+            .then(|| forward::upgrade_protocol(req.headers()))
+            .flatten();
+        let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+        let req = forward::rewrite_request(
+            req,
+            upstream,
+            server,
+            peer.ip(),
+            host.as_ref(),
+            self.https,
+            upgrade.as_ref(),
+        )
+        .map_err(ProxyError::BadRequest)?;
         let sent = Instant::now();
         let client = state.clients.get(&upstream.name).unwrap_or(&self.client);
         let result = tokio::time::timeout(timeout, client.request(req)).await;
@@ -362,11 +381,36 @@ impl Proxy {
                 ));
             }
             Ok(Err(e)) => {
+                if e.is_connect() && upstream.servers.len() > 1 {
+                    forward::mark_down(upstream, index, now_ms);
+                }
                 tracing::warn!(upstream = %upstream.name, server = %server, error = %e, "upstream request failed");
                 return Err(ProxyError::UpstreamUnreachable);
             }
             Ok(Ok(resp)) => resp,
         };
+        if let (StatusCode::SWITCHING_PROTOCOLS, Some(client_side)) = (resp.status(), client_side) {
+            let upstream_side = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                match (client_side.await, upstream_side.await) {
+                    (Ok(client), Ok(upstream)) => {
+                        let (mut client, mut upstream) =
+                            (TokioIo::new(client), TokioIo::new(upstream));
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                    }
+                    (Err(e), _) | (_, Err(e)) => tracing::debug!(error = %e, "upgrade failed"),
+                }
+            });
+            // The 101 keeps the headers that say what was switched to.
+            let protocol = resp.headers().get(header::UPGRADE).cloned();
+            forward::strip_hop_by_hop(resp.headers_mut());
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            if let Some(protocol) = protocol {
+                resp.headers_mut().insert(header::UPGRADE, protocol);
+            }
+            return Ok(resp.map(Either::Left));
+        }
         forward::strip_hop_by_hop(resp.headers_mut());
         Ok(resp.map(Either::Left))
     }

@@ -30,6 +30,7 @@ pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 /// - `/slow/MS`: answers after MS milliseconds;
 /// - `/bytes/N`: streams N bytes of body;
 /// - `/upload`: reads the body as it comes and answers its length;
+/// - `/upgrade`: switches protocols (101) to an echo of every byte;
 /// - anything else: echoes the request as JSON (method, uri, headers, peer).
 pub struct Upstream {
     pub addr: SocketAddr,
@@ -54,7 +55,7 @@ impl Upstream {
                         upstream_answer(req, peer)
                     });
                     let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), service)
+                        .serve_connection_with_upgrades(TokioIo::new(stream), service)
                         .await;
                 });
             }
@@ -72,10 +73,27 @@ impl Upstream {
 }
 
 async fn upstream_answer(
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     peer: SocketAddr,
 ) -> Result<Response<BoxBody>, Infallible> {
     let path = req.uri().path().to_string();
+    if path == "/upgrade" {
+        // Switches to an "echo" protocol: every byte comes back.
+        let upgraded = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            if let Ok(io) = upgraded.await {
+                let mut io = TokioIo::new(io);
+                let (mut r, mut w) = tokio::io::split(&mut io);
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            }
+        });
+        let mut r = Response::new(empty());
+        *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        r.headers_mut().insert("upgrade", "echo".parse().unwrap());
+        r.headers_mut()
+            .insert("connection", "upgrade".parse().unwrap());
+        return Ok(r);
+    }
     let full = |status: StatusCode, body: String| {
         let mut r = Response::new(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed());
         *r.status_mut() = status;
