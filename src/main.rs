@@ -74,8 +74,10 @@ fn init_logs(format: LogFormat) {
 
 fn check(path: &std::path::Path) -> anyhow::Result<()> {
     let config = sluice::config::load(path)?;
-    print!("{config}");
-    println!("{}: ok", path.display());
+    // Not print!: a closed pipe (`sluice check | head`) must not panic.
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = write!(out, "{config}").and_then(|_| writeln!(out, "{}: ok", path.display()));
     Ok(())
 }
 
