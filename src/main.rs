@@ -87,11 +87,19 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
-        .build()
-        .context("cannot start the runtime")?;
+    // One worker: a current-thread runtime, which schedules without the
+    // atomics and wakeups a work-stealing pool needs.
+    let runtime = if workers == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+    }
+    .context("cannot start the runtime")?;
     runtime.block_on(async {
         let addr = config.server.listen;
         let listener = tokio::net::TcpListener::bind(addr)

@@ -6,15 +6,29 @@
 //! `store_call_seconds` and `upstream_seconds{upstream}` (histograms),
 //! `config_reloads_total{result}`.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use std::fmt::Write;
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// A label value shared, not copied: a route's or upstream's name, cloned per
+/// request at the cost of a reference count.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct Name(pub Arc<str>);
+
+impl EncodeLabelValue for Name {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        encoder.write_str(&self.0)
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteStatus {
-    pub route: String,
+    pub route: Name,
     pub status: u16,
 }
 
@@ -36,7 +50,7 @@ pub struct ResultLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabel {
-    pub upstream: String,
+    pub upstream: Name,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;

@@ -406,7 +406,7 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
         return None;
     }
     Some(Upstream {
-        name: name.to_string(),
+        name: Arc::from(name),
         down_until: servers.iter().map(|_| Default::default()).collect(),
         servers,
         ca: ca.map(|(_, path)| path),
@@ -429,7 +429,9 @@ fn server_url(text: &str) -> Result<UpstreamServer, &'static str> {
         return Err("an upstream URL cannot have a query");
     }
     let base_path = uri.path().trim_end_matches('/').to_string();
+    let host = http::HeaderValue::from_str(authority.as_str()).map_err(|_| "bad host")?;
     Ok(UpstreamServer {
+        host,
         scheme,
         authority,
         base_path,
@@ -791,7 +793,7 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
         name: r
             .name
             .as_ref()
-            .map_or_else(|| path_text.clone(), |n| n.get_ref().clone()),
+            .map_or_else(|| path_text.as_str().into(), |n| n.get_ref().as_str().into()),
         path,
         methods,
         host,

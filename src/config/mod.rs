@@ -109,7 +109,7 @@ pub enum HeaderStyle {
 /// A named upstream: one or more servers used in turn.
 #[derive(Debug)]
 pub struct Upstream {
-    pub name: String,
+    pub name: Arc<str>,
     pub servers: Vec<UpstreamServer>,
     pub ca: Option<PathBuf>,
     /// Send the client's `Host` upstream instead of the server's own authority.
@@ -128,6 +128,8 @@ pub struct UpstreamServer {
     pub authority: http::uri::Authority,
     /// A path the request path is appended to ("" for none).
     pub base_path: String,
+    /// `authority` as a ready `Host` header value.
+    pub host: http::HeaderValue,
 }
 
 impl fmt::Display for UpstreamServer {
@@ -260,7 +262,7 @@ pub enum Target {
 #[derive(Debug, Clone)]
 pub struct Route {
     /// `name` from the file, or the path: what logs and metrics call it.
-    pub name: String,
+    pub name: Arc<str>,
     pub path: PathMatch,
     pub methods: Option<Vec<Method>>,
     /// Lowercase, without a port.

@@ -162,9 +162,7 @@ pub fn rewrite_request(
             headers.insert(header::HOST, host.clone());
         }
         _ => {
-            if let Ok(v) = HeaderValue::from_str(server.authority.as_str()) {
-                headers.insert(header::HOST, v);
-            }
+            headers.insert(header::HOST, server.host.clone());
         }
     }
     Ok(Request::from_parts(parts, body))

@@ -38,7 +38,7 @@ pub use error::ProxyError;
 use crate::config::{Config, OnError, Route, Target};
 use crate::identity;
 use crate::limiter::{Binding, Limiter, Ticket, Verdict};
-use crate::metrics::{Metrics, RouteStatus, UpstreamLabel};
+use crate::metrics::{Metrics, Name, RouteStatus, UpstreamLabel};
 use crate::router::Router;
 use crate::store::StoreError;
 use crate::tls::TlsError;
@@ -52,7 +52,7 @@ pub struct State {
     router: Router,
     /// Clients of the upstreams that trust an extra CA, by upstream name; the
     /// others share the proxy's client.
-    clients: HashMap<String, UpstreamClient>,
+    clients: HashMap<Arc<str>, UpstreamClient>,
 }
 
 impl State {
@@ -84,7 +84,7 @@ pub struct Proxy {
 /// What the phases of one request learn, for the later phases and the log.
 struct RequestCtx {
     started: Instant,
-    route: Option<String>,
+    route: Option<Arc<str>>,
     decision: &'static str,
     upstream_time: Option<Duration>,
 }
@@ -176,9 +176,10 @@ impl Proxy {
             decision: "none",
             upstream_time: None,
         };
-        let method = req.method().clone();
-        // The access log never shows the query: it often carries credentials.
-        let path = req.uri().path().to_string();
+        // Kept only when the access log is on (it usually is not under load
+        // tests). The log never shows the query: it often carries credentials.
+        let logged = tracing::enabled!(target: "sluice::access", tracing::Level::INFO)
+            .then(|| (req.method().clone(), req.uri().path().to_string()));
         let resp = match self.phases(&state, req, peer, &mut ctx).await {
             Ok(resp) => resp,
             Err(e) => e.response(),
@@ -186,10 +187,13 @@ impl Proxy {
         self.metrics
             .requests
             .get_or_create(&RouteStatus {
-                route: ctx.route.clone().unwrap_or_else(|| "-".to_string()),
+                route: Name(ctx.route.clone().unwrap_or_else(|| Arc::from("-"))),
                 status: resp.status().as_u16(),
             })
             .inc();
+        let Some((method, path)) = logged else {
+            return resp;
+        };
         tracing::info!(
             target: "sluice::access",
             method = %method,
@@ -364,13 +368,13 @@ impl Proxy {
         )
         .map_err(ProxyError::BadRequest)?;
         let sent = Instant::now();
-        let client = state.clients.get(&upstream.name).unwrap_or(&self.client);
+        let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
         let result = tokio::time::timeout(timeout, client.request(req)).await;
         ctx.upstream_time = Some(sent.elapsed());
         self.metrics
             .upstream_seconds
             .get_or_create(&UpstreamLabel {
-                upstream: upstream.name.clone(),
+                upstream: Name(upstream.name.clone()),
             })
             .observe(sent.elapsed().as_secs_f64());
         let mut resp = match result {
