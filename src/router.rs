@@ -79,7 +79,7 @@ mod tests {
         methods: Option<Vec<Method>>,
     ) -> Route {
         Route {
-            name: name.to_string(),
+            name: name.into(),
             path,
             methods,
             host: host.map(str::to_string),
@@ -107,11 +107,7 @@ mod tests {
             route("hosted", prefix("/"), Some("api.example.com"), None),
             route("root-again", prefix("/"), None, None),
         ]);
-        let find = |host, path| {
-            router
-                .find(&Method::GET, host, path)
-                .map(|r| r.name.as_str())
-        };
+        let find = |host, path| router.find(&Method::GET, host, path).map(|r| &*r.name);
         assert_eq!(find(None, "/api/search?q"), Some("api-search"));
         assert_eq!(find(None, "/api/other"), Some("api"));
         assert_eq!(find(None, "/api"), Some("exact"));

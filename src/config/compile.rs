@@ -790,10 +790,10 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
         return None;
     }
     Some(Route {
-        name: r
-            .name
-            .as_ref()
-            .map_or_else(|| path_text.as_str().into(), |n| n.get_ref().as_str().into()),
+        name: r.name.as_ref().map_or_else(
+            || path_text.as_str().into(),
+            |n| n.get_ref().as_str().into(),
+        ),
         path,
         methods,
         host,
