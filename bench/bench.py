@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""sluice against nginx, measured with wrk on this machine.
+
+    python3 bench/bench.py [--rounds N] [--duration S] [--quick]
+
+Installs what it needs when missing (wrk, nginx, redis-server: Debian packages,
+needs root), builds sluice in release mode, then starts:
+
+  upstream      nginx, 1 worker, `return 200`                  (the API)
+  nginx         nginx, 1 worker, reverse proxy with a keep-alive pool
+  nginx-limit   the same with `limit_req` (local memory, never rejecting)
+  sluice        sluice, 1 worker, no policy
+  sluice-mem    sluice, memory store, policy 10/1s + 120/1m + 240/1h (1m precision)
+  sluice-redis  sluice, Redis store, the same policy
+
+(limits high enough never to reject) and runs `wrk -t1 --latency` against each,
+interleaved, for several rounds, at -c50 and -c200. Then two runs of sluice with
+Redis: many distinct client identities (random X-Forwarded-For from a trusted
+peer), and most requests rejected (deny cache warm). Reported per setup, as the
+median over rounds: req/s, p50, p99, proxy CPU µs per request (utime+stime of
+the proxy process over the run / requests), Redis CPU µs per request
+(redis-server's own CPU), Redis calls per request (INFO commandstats), and each
+figure as a ratio to nginx in the same run. Writes bench/results/table.txt and
+bench/results/plot.svg. Everything it started is stopped at the end.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+TICK = os.sysconf("SC_CLK_TCK")
+POLICY = """limits = [
+  { limit = 1000000000, window = "1s" },
+  { limit = 1000000000, window = "1m" },
+  { limit = 1000000000, window = "1h", precision = "1m" },
+]"""
+
+
+def need(tool, package):
+    if shutil.which(tool):
+        return
+    print(f"--- installing {package}", flush=True)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", package], check=True, env=env)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_port(port, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def children(pid):
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+    except OSError:
+        return []
+
+
+class Procs:
+    """Everything started, stopped at the end whatever happens."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, args, **kw):
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+        self.procs.append(p)
+        return p
+
+    def stop(self):
+        for p in reversed(self.procs):
+            try:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=10)
+            except Exception:
+                p.kill()
+
+
+def nginx_conf(dir_, port, body):
+    conf = os.path.join(dir_, f"nginx-{port}.conf")
+    with open(conf, "w") as f:
+        f.write(f"""worker_processes 1;
+daemon off;
+pid {dir_}/nginx-{port}.pid;
+error_log {dir_}/nginx-{port}.log error;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  {body}
+}}
+""")
+    return conf
+
+
+def redis_info(port, section):
+    out = subprocess.run(["redis-cli", "-p", str(port), "info", section], capture_output=True, text=True).stdout
+    return out
+
+
+def evalsha_calls(port):
+    m = re.search(r"cmdstat_evalsha:calls=(\d+)", redis_info(port, "commandstats"))
+    return int(m.group(1)) if m else 0
+
+
+def parse_wrk(out):
+    def ms(text):
+        v, unit = re.match(r"([\d.]+)(us|ms|s)", text).groups()
+        return float(v) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+    reqs = int(re.search(r"(\d+) requests in", out).group(1))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    p50 = ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1))
+    p99 = ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1))
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"requests": reqs, "rps": rps, "p50": p50, "p99": p99,
+            "non2xx": int(non2xx.group(1)) if non2xx else 0, "errors": errors.group(1) if errors else ""}
+
+
+def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None):
+    args = ["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency"]
+    if script:
+        args += ["-s", script]
+    before = sum(cpu_seconds(p) for p in proxy_pids)
+    rbefore = cpu_seconds(redis_pid) if redis_pid else 0
+    calls_before = evalsha_calls(redis_port) if redis_port else 0
+    out = subprocess.run(args + [url], capture_output=True, text=True, check=True).stdout
+    r = parse_wrk(out)
+    n = max(r["requests"], 1)
+    r["cpu_us"] = (sum(cpu_seconds(p) for p in proxy_pids) - before) * 1e6 / n
+    r["redis_us"] = ((cpu_seconds(redis_pid) - rbefore) * 1e6 / n) if redis_pid else 0.0
+    r["redis_calls"] = ((evalsha_calls(redis_port) - calls_before) / n) if redis_port else 0.0
+    return r
+
+
+def svg_plot(rows, path):
+    """A bar chart of req/s and p99 per setup, -c50 (no plotting library needed)."""
+    rows = [r for r in rows if r["conns"] == 50]
+    w, h, pad, bar = 760, 360, 60, 22
+    max_rps = max(r["rps"] for r in rows) or 1
+    max_p99 = max(r["p99"] for r in rows) or 1
+    step = (w - 2 * pad) / len(rows)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+           f'<text x="{w/2}" y="18" text-anchor="middle" font-size="14">wrk -t1 -c50, 1 proxy worker: req/s (blue) and p99 latency (orange)</text>']
+    base = h - pad
+    for i, r in enumerate(rows):
+        x = pad + i * step + step / 2
+        hr = (r["rps"] / max_rps) * (h - 2 * pad - 20)
+        hp = (r["p99"] / max_p99) * (h - 2 * pad - 20)
+        out.append(f'<rect x="{x - bar}" y="{base - hr}" width="{bar}" height="{hr}" fill="#4477aa"/>')
+        out.append(f'<text x="{x - bar/2}" y="{base - hr - 4}" text-anchor="middle">{r["rps"]/1000:.1f}k</text>')
+        out.append(f'<rect x="{x}" y="{base - hp}" width="{bar}" height="{hp}" fill="#ee7733"/>')
+        out.append(f'<text x="{x + bar/2}" y="{base - hp - 4}" text-anchor="middle">{r["p99"]:.2f}ms</text>')
+        out.append(f'<text x="{x}" y="{base + 16}" text-anchor="middle">{r["setup"]}</text>')
+    out.append(f'<line x1="{pad}" y1="{base}" x2="{w - pad}" y2="{base}" stroke="black"/>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="1 round of 4 s, -c50 only")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.duration = 1, 4
+    conns_list = [50] if args.quick else [50, 200]
+
+    need("wrk", "wrk")
+    need("nginx", "nginx-light")
+    need("redis-server", "redis-server")
+    print("--- building sluice (release)", flush=True)
+    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    sluice = os.path.join(ROOT, "target", "release", "sluice")
+
+    tmp = tempfile.mkdtemp(prefix="sluice-bench-")
+    procs = Procs()
+    try:
+        ports = {k: free_port() for k in ["upstream", "nginx", "nginx-limit", "sluice", "sluice-mem",
+                                           "sluice-redis", "redis", "sluice-many", "sluice-reject"]}
+        up = ports["upstream"]
+        procs.start(["nginx", "-c", nginx_conf(tmp, up, f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}')])
+        proxy_block = f"upstream api {{ server 127.0.0.1:{up}; keepalive 64; }}"
+        loc = 'proxy_pass http://api; proxy_http_version 1.1; proxy_set_header Connection "";'
+        procs.start(["nginx", "-c", nginx_conf(tmp, ports["nginx"],
+                     f'{proxy_block} server {{ listen 127.0.0.1:{ports["nginx"]}; location / {{ {loc} }} }}')])
+        procs.start(["nginx", "-c", nginx_conf(tmp, ports["nginx-limit"],
+                     f'{proxy_block} limit_req_zone $binary_remote_addr zone=z:10m rate=100000000r/s; '
+                     f'server {{ listen 127.0.0.1:{ports["nginx-limit"]}; location / {{ limit_req zone=z burst=100000000 nodelay; {loc} }} }}')])
+        redis = procs.start(["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"])
+
+        def sluice_conf(name, store, policy, extra=""):
+            path = os.path.join(tmp, f"{name}.toml")
+            pol = f"[policies.p]\n{policy}\n" if policy else ""
+            with open(path, "w") as f:
+                f.write(f"""[server]
+listen = "127.0.0.1:{ports[name]}"
+workers = 1
+trusted_proxies = ["127.0.0.1"]
+{store}
+{extra}
+[upstreams.api]
+url = "http://127.0.0.1:{up}"
+{pol}
+[[routes]]
+path = "/"
+upstream = "api"
+{'policy = "p"' if policy else ''}
+""")
+            return path
+
+        redis_store = f'[store]\nbackend = "redis"\nurl = "redis://127.0.0.1:{ports["redis"]}/0"\ntimeout = "200ms"'
+        confs = {
+            "sluice": sluice_conf("sluice", "", None),
+            "sluice-mem": sluice_conf("sluice-mem", "", POLICY),
+            "sluice-redis": sluice_conf("sluice-redis", redis_store, POLICY),
+            "sluice-many": sluice_conf("sluice-many", redis_store, POLICY),
+            "sluice-reject": sluice_conf("sluice-reject", redis_store, 'limits = [{ limit = 10, window = "1h" }]'),
+        }
+        env = dict(os.environ, RUST_LOG="warn")
+        pids = {}
+        for name, conf in confs.items():
+            pids[name] = procs.start([sluice, "--config", conf], env=env).pid
+        for p in ports.values():
+            if p != ports["redis"]:
+                wait_port(p)
+        wait_port(ports["redis"])
+        # nginx's work is done by its worker process, the master's only child.
+        for name in ["nginx", "nginx-limit"]:
+            master = next(p for p in procs.procs if p.args[-1].endswith(f"nginx-{ports[name]}.conf"))
+            pids[name] = children(master.pid)[0]
+
+        setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis"]
+        results = {(s, c): [] for s in setups for c in conns_list}
+        # Warm up every proxy (pools, scripts).
+        for s in setups:
+            run_wrk(f"http://127.0.0.1:{ports[s]}/", 50, 1, [pids[s]], None, None)
+        for rnd in range(args.rounds):
+            for c in conns_list:
+                for s in setups:
+                    redis_pid = redis.pid if s == "sluice-redis" else None
+                    r = run_wrk(f"http://127.0.0.1:{ports[s]}/", c, args.duration, [pids[s]], redis_pid,
+                                ports["redis"] if redis_pid else None)
+                    results[(s, c)].append(r)
+                    print(f"round {rnd + 1} -c{c} {s:13} {r['rps']:9.0f} req/s  p99 {r['p99']:6.2f} ms  "
+                          f"cpu {r['cpu_us']:5.1f} us/req", flush=True)
+
+        # Many identities: a wrk script sends a random X-Forwarded-For (sluice trusts 127.0.0.1).
+        many_lua = os.path.join(tmp, "many.lua")
+        with open(many_lua, "w") as f:
+            f.write('math.randomseed(os.time())\nrequest = function()\n'
+                    '  local ip = "10." .. math.random(0,255) .. "." .. math.random(0,255) .. "." .. math.random(1,254)\n'
+                    '  return wrk.format("GET", "/", { ["X-Forwarded-For"] = ip })\nend\n')
+        extra = {}
+        extra["many identities"] = run_wrk(f"http://127.0.0.1:{ports['sluice-many']}/", 50, args.duration,
+                                           [pids["sluice-many"]], redis.pid, ports["redis"], script=many_lua)
+        # Mostly rejected: one client over a 10/h limit; warm the deny cache first.
+        run_wrk(f"http://127.0.0.1:{ports['sluice-reject']}/", 50, 1, [pids["sluice-reject"]], None, None)
+        extra["mostly rejected"] = run_wrk(f"http://127.0.0.1:{ports['sluice-reject']}/", 50, args.duration,
+                                           [pids["sluice-reject"]], redis.pid, ports["redis"])
+
+        def med(rs, key):
+            return statistics.median(r[key] for r in rs)
+
+        rows = []
+        for c in conns_list:
+            ref = results[("nginx", c)]
+            for s in setups:
+                rs = results[(s, c)]
+                rows.append({"setup": s, "conns": c, **{k: med(rs, k) for k in
+                             ["rps", "p50", "p99", "cpu_us", "redis_us", "redis_calls"]},
+                             "rps_x": med(rs, "rps") / med(ref, "rps"),
+                             "p99_x": med(rs, "p99") / med(ref, "p99"),
+                             "cpu_x": med(rs, "cpu_us") / med(ref, "cpu_us")})
+        lines = []
+        head = (f"{'setup':14} {'conns':>5} {'req/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'cpu us/req':>10} "
+                f"{'redis us/req':>12} {'redis calls':>11} {'req/s x':>8} {'p99 x':>6} {'cpu x':>6}")
+        lines.append(head)
+        lines.append("-" * len(head))
+        for r in rows:
+            lines.append(f"{r['setup']:14} {r['conns']:>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
+                         f"{r['cpu_us']:>10.1f} {r['redis_us']:>12.1f} {r['redis_calls']:>11.2f} "
+                         f"{r['rps_x']:>8.2f} {r['p99_x']:>6.2f} {r['cpu_x']:>6.2f}")
+        for name, r in extra.items():
+            lines.append(f"{'sluice-redis':14} {'50':>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
+                         f"{r['cpu_us']:>10.1f} {r['redis_us']:>12.1f} {r['redis_calls']:>11.2f}   ({name}; non-2xx {r['non2xx']})")
+        machine = f"{os.cpu_count()} cores; " + subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
+        machine += "; " + subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split(" sha")[0]
+        machine += "; " + subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0].split(" [")[0]
+        lines.append("")
+        lines.append(f"medians of {args.rounds} round(s) of {args.duration} s; ratios against nginx in the same run; {machine}")
+        table = "\n".join(lines)
+        print("\n" + table)
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, "table.txt"), "w") as f:
+            f.write(table + "\n")
+        with open(os.path.join(RESULTS, "results.json"), "w") as f:
+            json.dump({"rows": rows, "extra": extra}, f, indent=1)
+        svg_plot(rows, os.path.join(RESULTS, "plot.svg"))
+        print(f"\nwrote bench/results/table.txt, results.json and plot.svg")
+    finally:
+        procs.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
