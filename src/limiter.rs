@@ -219,7 +219,15 @@ impl Limiter {
             .limits
             .iter()
             .enumerate()
-            .filter(|(_, l)| l.keys.contains(spec))
+            // A header or query key falls back to the address when missing:
+            // those clients are counted (and reset) under `ip`.
+            .filter(|(_, l)| {
+                l.keys.contains(spec)
+                    || *spec == KeySpec::Ip
+                        && l.keys
+                            .iter()
+                            .any(|k| matches!(k, KeySpec::Header(_) | KeySpec::Query(_)))
+            })
             .map(|(i, l)| {
                 (
                     i,

@@ -107,7 +107,7 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(listen = %addr, workers, "sluice is serving");
         if let Some(admin) = config.server.admin_listen {
-            tracing::info!(%admin, "admin endpoints: /healthz /readyz /metrics");
+            tracing::info!(%admin, "admin endpoints: /healthz /readyz /metrics /usage");
         }
         let server = sluice::Server::new(listener, config)?;
         let proxy = server.proxy();

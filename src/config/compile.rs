@@ -399,6 +399,15 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
         return None;
     }
     let ca = r.ca.as_ref().map(|v| (v, file(base, v.get_ref())));
+    if let Some((v, _)) = &ca
+        && !servers.iter().any(|s| s.scheme == http::uri::Scheme::HTTPS)
+    {
+        d.err(
+            &v.span(),
+            format!("{key}: ca: only used with https:// URLs"),
+        );
+        return None;
+    }
     if let Some((v, path)) = &ca
         && let Err(e) = crate::tls::check_ca(path)
     {

@@ -292,7 +292,11 @@ impl fmt::Display for Config {
     /// The listing printed by `sluice check`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.server;
-        writeln!(f, "server: listen {}, workers {}", s.listen, s.workers)?;
+        let tls = if s.tls.is_some() { " (TLS)" } else { "" };
+        writeln!(f, "server: listen {}{tls}, workers {}", s.listen, s.workers)?;
+        if let Some(admin) = s.admin_listen {
+            writeln!(f, "admin: {admin}")?;
+        }
         let store = match self.store.backend {
             Backend::Memory => "memory".to_string(),
             Backend::Redis => match &self.store.url {

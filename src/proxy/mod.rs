@@ -35,7 +35,7 @@ use forward::UpstreamClient;
 
 pub use error::ProxyError;
 
-use crate::config::{Config, OnError, Route, Target};
+use crate::config::{Config, OnError, Route, StoreConfig, Target};
 use crate::identity;
 use crate::limiter::{Binding, Limiter, Ticket, Verdict};
 use crate::metrics::{Metrics, Name, RouteStatus, UpstreamLabel};
@@ -79,6 +79,14 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     /// Set when sluice terminates TLS: the scheme of `X-Forwarded-Proto`.
     https: bool,
+    /// What was set up at start and only a restart changes.
+    boot: Boot,
+}
+
+/// The settings a reload cannot change.
+struct Boot {
+    server: crate::config::ServerConfig,
+    store: StoreConfig,
 }
 
 /// What the phases of one request learn, for the later phases and the log.
@@ -91,7 +99,12 @@ struct RequestCtx {
 
 impl Proxy {
     pub fn new(config: Config, limiter: Limiter, https: bool) -> Result<Proxy, TlsError> {
+        let boot = Boot {
+            server: config.server.clone(),
+            store: config.store.clone(),
+        };
         Ok(Proxy {
+            boot,
             state: ArcSwap::from_pointee(State::new(config)?),
             limiter,
             client: forward::client(None)?,
@@ -117,11 +130,22 @@ impl Proxy {
     /// the store, so they survive.
     pub fn replace(&self, config: Config) -> Result<(), TlsError> {
         let state = State::new(config)?;
-        let old = self.state.load();
-        let (was, now) = (&old.config, &state.config);
+        // Compared with what the process started with, not the last reload:
+        // a pending change is reported until the restart.
+        let (was, now) = (&self.boot, &state.config);
         let mut later = Vec::new();
-        if was.store != now.store {
-            later.push("[store]");
+        let store_at_start = StoreConfig {
+            on_error: now.store.on_error,
+            ..was.store.clone()
+        };
+        if store_at_start != now.store {
+            later.push("[store] (but on_error)");
+        }
+        let tls_files = |s: &crate::config::ServerConfig| {
+            s.tls.as_ref().map(|t| (t.cert.clone(), t.key.clone()))
+        };
+        if tls_files(&was.server) != tls_files(&now.server) {
+            later.push("server.tls");
         }
         if was.server.listen != now.server.listen {
             later.push("server.listen");
@@ -133,10 +157,10 @@ impl Proxy {
             later.push("server.workers");
         }
         if was.server.max_header_bytes != now.server.max_header_bytes {
-            later.push("server.max_header_bytes");
+            later.push("server.max_header_bytes (hyper's read buffer)");
         }
         if !later.is_empty() {
-            tracing::warn!(changed = %later.join(", "), "these settings take effect after a restart");
+            tracing::warn!(changed = %later.join(", "), "these settings take effect after a restart; the rest is in force");
         }
         self.state.store(Arc::new(state));
         Ok(())
@@ -388,7 +412,7 @@ impl Proxy {
                 if e.is_connect() && upstream.servers.len() > 1 {
                     forward::mark_down(upstream, index, now_ms);
                 }
-                tracing::warn!(upstream = %upstream.name, server = %server, error = %e, "upstream request failed");
+                tracing::warn!(upstream = %upstream.name, server = %server, error = %error_chain(&e), "upstream request failed");
                 return Err(ProxyError::UpstreamUnreachable);
             }
             Ok(Ok(resp)) => resp,
@@ -418,6 +442,19 @@ impl Proxy {
         forward::strip_hop_by_hop(resp.headers_mut());
         Ok(resp.map(Either::Left))
     }
+}
+
+/// An error and its causes, `a: b: c`: "client error (Connect)" alone does
+/// not tell a refused connection from an untrusted certificate.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 /// Milliseconds to the microsecond, for the log.
