@@ -12,6 +12,7 @@ local clock mode so that an hour of traffic can be replayed in seconds).
 
     python3 bench/redis_cost.py [IDENTITIES]      # needs redis-server and `pip install redis`
 """
+import base64
 import hashlib
 import os
 import socket
@@ -36,9 +37,10 @@ def free_port():
     return port
 
 
-def keys_for(ip):
-    tag = hashlib.sha256(b"ip\0" + ip.encode()).hexdigest()[:32]
-    return ["sluice:{%s}:standard:%s" % (tag, lid) for (_, _, _, _, lid) in LIMITS]
+def key_for(ip):
+    """The identity's packed string, named as src/limiter.rs names it."""
+    tag = base64.urlsafe_b64encode(hashlib.sha256(b"ip\0" + ip.encode()).digest()[:16]).rstrip(b"=").decode()
+    return "sluice:{%s}:standard" % tag
 
 
 def main():
@@ -63,10 +65,10 @@ def main():
             pipe = r.pipeline(transaction=False)
             for i in range(IDENTITIES):
                 ip = "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
-                args = [1, now, 1, i]
-                for (limit, window, alg, param, _) in LIMITS:
-                    args += [alg, limit, window, param]
-                script(keys=keys_for(ip), args=args, client=pipe)
+                args = [1, now, 1, i, len(LIMITS)]
+                for (limit, window, alg, param, lid) in LIMITS:
+                    args += [1, alg, limit, window, param, lid]
+                script(keys=[key_for(ip)], args=args, client=pipe)
                 if (i + 1) % pipe_size == 0:
                     pipe.execute()
             pipe.execute()

@@ -1,22 +1,31 @@
 -- acquire.lua: check, and charge, several counters at once, all or nothing.
 --
--- KEYS[i]   one key per counter (all of one identity share a hash tag)
+-- KEYS      the keys the counters live in: one packed string per identity and
+--           policy (fixed, sliding and gcra counters are records in it), and
+--           one sorted set per log counter
 -- ARGV[1]   mode: 0 = check only, 1 = check and charge if all pass,
 --           2 = charge without checking (charge = "after", once the status is known)
 -- ARGV[2]   now in unix ms, or "" to read Redis TIME (clock = "redis")
 -- ARGV[3]   cost in units
 -- ARGV[4]   nonce: log entries of this call are "<nonce>:<unit>", so a refund
 --           removes exactly them
--- then four per counter: algorithm (1 buckets, 2 log, 3 gcra), limit,
---           window ms, and precision ms (buckets) or burst (gcra)
+-- ARGV[5]   number of counters; then six per counter: key index (into KEYS),
+--           algorithm (1 buckets, 2 log, 3 gcra), limit, window ms,
+--           precision ms (buckets) or burst (gcra), record id
 --
 -- Returns {allowed, now, then per counter: remaining, reset ms, retry ms, mark}.
 --
--- Fixed windows are buckets with precision = window: one HASH per counter maps
--- bucket index (floor(now / precision)) to units; a bucket counts while
--- index + window/precision > current index. A log is a sorted set of units
--- scored by time. GCRA keeps its theoretical arrival time (µs) in a string.
--- The same definitions are in src/store/memory.rs; keep them in step.
+-- A packed string is a msgpack map, record id -> state:
+--   fixed (one bucket of the whole window): {bucket index, units}
+--   sliding (window/precision buckets): {newest index, units in the window,
+--     newest index holding units or -1, ring}: the ring is a binary string of
+--     window/precision big-endian counts, 2 bytes wide when the limit fits
+--     (else 4, or 8 as a double), so a decision reads and writes only the
+--     buckets it needs
+--   gcra: {theoretical arrival time in us}
+-- Bucket index = floor(now / precision). A sliding window keeps a running
+-- total, so a decision touches only the buckets that just expired. The same
+-- definitions are in src/store/memory.rs; keep them in step.
 
 local mode = tonumber(ARGV[1])
 local now
@@ -28,62 +37,111 @@ else
 end
 local cost = tonumber(ARGV[3])
 local nonce = ARGV[4]
+local count = tonumber(ARGV[5])
 
--- Lua 5.1 prints large numbers in exponent form; Redis wants digits.
-local function int(x)
-  return string.format('%.0f', x)
+local groups = {}
+local function group(ki)
+  local g = groups[ki]
+  if g == nil then
+    local raw = redis.call('GET', KEYS[ki])
+    if raw then g = cmsgpack.unpack(raw) else g = {} end
+    groups[ki] = g
+  end
+  return g
+end
+
+-- Ring slot j (1-based) of a ring whose counts are `w` bytes wide.
+local formats = {[2] = '>I2', [4] = '>I4', [8] = '>d'}
+local function width(limit)
+  if limit <= 65535 then return 2 elseif limit <= 4294967295 then return 4 else return 8 end
+end
+local function slot(ring, w, j)
+  return (struct.unpack(formats[w], ring, (j - 1) * w + 1))
+end
+local function set_slot(ring, w, j, v)
+  local at = (j - 1) * w
+  return ring:sub(1, at) .. struct.pack(formats[w], v) .. ring:sub(at + w + 1)
 end
 
 local out = {0, now}
 local plans = {}
 local allowed = true
 
-for i = 1, #KEYS do
-  local key = KEYS[i]
-  local at = 4 + (i - 1) * 4
-  local alg = tonumber(ARGV[at + 1])
-  local limit = tonumber(ARGV[at + 2])
-  local window = tonumber(ARGV[at + 3])
-  local param = tonumber(ARGV[at + 4])
-  local p = {alg = alg, key = key, window = window}
+for i = 1, count do
+  local at = 5 + (i - 1) * 6
+  local ki = tonumber(ARGV[at + 1])
+  local alg = tonumber(ARGV[at + 2])
+  local limit = tonumber(ARGV[at + 3])
+  local window = tonumber(ARGV[at + 4])
+  local param = tonumber(ARGV[at + 5])
+  local id = ARGV[at + 6]
+  local p = {alg = alg, ki = ki, id = id, window = window, mark = 0}
   local remaining, reset, retry
 
-  if alg == 1 then
-    local n = window / param
+  if alg == 1 and window == param then
     local b = math.floor(now / param)
-    local flat = redis.call('HGETALL', key)
-    local live, stale, used = {}, {}, 0
-    for j = 1, #flat, 2 do
-      local idx = tonumber(flat[j])
-      local units = tonumber(flat[j + 1])
-      if idx + n <= b then
-        stale[#stale + 1] = flat[j]
-      elseif units > 0 then
-        -- A bucket refunded to zero counts for nothing, not even the reset.
-        used = used + units
-        live[#live + 1] = {idx, units}
-      end
-    end
-    table.sort(live, function(x, y) return x[1] < y[1] end)
-    local oldest = b
-    if #live > 0 and live[1][1] < b then oldest = live[1][1] end
-    reset = (oldest + n) * param
+    local st = group(ki)[id]
+    local used = 0
+    if st and st[1] == b then used = st[2] end
+    reset = (b + 1) * param
     if used + cost <= limit then
       remaining, retry = limit - used - cost, 0
     else
+      remaining = math.max(limit - used, 0)
+      if cost > limit then retry = window else retry = reset - now end
+    end
+    p.state, p.ttl, p.mark = {b, used + cost}, reset - now, b
+  elseif alg == 1 then
+    local n = window / param
+    local b = math.floor(now / param)
+    local w = width(limit)
+    local st = group(ki)[id]
+    local pos, total, nz, ring
+    if st and #st[4] == n * w then
+      pos, total, nz, ring = st[1], st[2], st[3], st[4]
+    else
+      pos, total, nz, ring = b, 0, -1, string.rep('\0', n * w)
+    end
+    -- Time only moves forward here: a clock behind the newest bucket counts
+    -- into the newest bucket.
+    if b < pos then b = pos end
+    if b > pos then
+      if b - pos >= n then
+        ring, total = string.rep('\0', n * w), 0
+      else
+        for idx = pos + 1, b do
+          local j = idx % n + 1
+          local units = slot(ring, w, j)
+          if units > 0 then
+            total = total - units
+            ring = set_slot(ring, w, j, 0)
+          end
+        end
+      end
+      pos = b
+    end
+    if nz ~= -1 and nz <= b - n then nz = -1 end
+    local used = total
+    if used + cost <= limit then
+      remaining, retry, reset = limit - used - cost, 0, (b + n) * param
+    else
       remaining, retry = math.max(limit - used, 0), window
+      if nz ~= -1 then reset = (nz + n) * param else reset = (b + n) * param end
       local need, freed = used + cost - limit, 0
-      for j = 1, #live do
-        freed = freed + live[j][2]
+      for idx = b - n + 1, b do
+        freed = freed + slot(ring, w, idx % n + 1)
         if freed >= need then
-          retry = (live[j][1] + n) * param - now
+          retry = (idx + n) * param - now
           break
         end
       end
     end
-    p.bucket, p.stale, p.ttl = b, stale, (b + n) * param - now
+    local j = b % n + 1
+    ring = set_slot(ring, w, j, slot(ring, w, j) + cost)
+    p.state, p.ttl, p.mark = {pos, total + cost, b, ring}, (b + n) * param - now, b
   elseif alg == 2 then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now - window))
+    local key = KEYS[ki]
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
     local used = redis.call('ZCARD', key)
     local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
     if #first > 0 then reset = tonumber(first[2]) + window else reset = now + window end
@@ -97,12 +155,14 @@ for i = 1, #KEYS do
         retry = tonumber(e[2]) + window - now
       end
     end
+    p.mark = tonumber(nonce)
   else
     local t = math.max(1, math.floor(window * 1000 / limit))
     local cap = t * param
     local now_us = now * 1000
-    local tat = tonumber(redis.call('GET', key) or '0')
-    if tat < now_us then tat = now_us end
+    local st = group(ki)[id]
+    local tat = now_us
+    if st and st[1] > now_us then tat = st[1] end
     local new_tat = tat + cost * t
     if new_tat - now_us <= cap then
       remaining, reset, retry = math.floor((cap - (new_tat - now_us)) / t), math.ceil(new_tat / 1000), 0
@@ -112,15 +172,13 @@ for i = 1, #KEYS do
       remaining = math.floor(math.max(cap - (tat - now_us), 0) / t)
       reset, retry = math.ceil(tat / 1000), math.ceil(wait / 1000)
     end
-    p.tat = new_tat
-    p.ttl = math.ceil(new_tat / 1000) - now
+    p.state, p.ttl = {new_tat}, math.ceil(new_tat / 1000) - now
   end
 
   if retry > 0 then
     allowed = false
     if retry < 1 then retry = 1 end
   end
-  p.mark = 0
   plans[i] = p
   out[#out + 1] = remaining
   out[#out + 1] = reset
@@ -129,16 +187,12 @@ for i = 1, #KEYS do
 end
 
 if mode == 2 or (mode == 1 and allowed) then
-  for i = 1, #plans do
+  local ttl = {}
+  for i = 1, count do
     local p = plans[i]
-    if p.alg == 1 then
-      redis.call('HINCRBY', p.key, int(p.bucket), cost)
-      if #p.stale > 0 then redis.call('HDEL', p.key, unpack(p.stale)) end
-      redis.call('PEXPIRE', p.key, int(p.ttl))
-      out[2 + (i - 1) * 4 + 4] = p.bucket
-    elseif p.alg == 2 then
+    if p.alg == 2 then
       -- One entry per unit, added in slices to stay within Lua's stack.
-      local unit = 0
+      local key, unit = KEYS[p.ki], 0
       while unit < cost do
         local args = {}
         local last = math.min(unit + 1000, cost)
@@ -146,14 +200,18 @@ if mode == 2 or (mode == 1 and allowed) then
           args[#args + 1] = now
           args[#args + 1] = nonce .. ':' .. u
         end
-        redis.call('ZADD', p.key, unpack(args))
+        redis.call('ZADD', key, unpack(args))
         unit = last
       end
-      redis.call('PEXPIRE', p.key, p.window)
-      out[2 + (i - 1) * 4 + 4] = tonumber(nonce)
+      redis.call('PEXPIRE', key, p.window)
     else
-      redis.call('SET', p.key, int(p.tat), 'PX', int(math.max(p.ttl, 1)))
+      groups[p.ki][p.id] = p.state
+      ttl[p.ki] = math.max(ttl[p.ki] or 1, p.ttl)
     end
+    out[2 + (i - 1) * 4 + 4] = p.mark
+  end
+  for ki, ms in pairs(ttl) do
+    redis.call('SET', KEYS[ki], cmsgpack.pack(groups[ki]), 'PX', ms)
   end
 end
 

@@ -228,17 +228,7 @@ impl Limiter {
                             .iter()
                             .any(|k| matches!(k, KeySpec::Header(_) | KeySpec::Query(_)))
             })
-            .map(|(i, l)| {
-                (
-                    i,
-                    Counter {
-                        key: counter_key(&policy.name, &l.id, &id),
-                        limit: l.limit,
-                        window_ms: l.window.as_millis() as u64,
-                        algorithm: l.algorithm,
-                    },
-                )
-            })
+            .map(|(i, l)| (i, counter(&policy.name, l, &id)))
             .collect()
     }
 
@@ -302,46 +292,65 @@ fn counters(
     for (i, limit) in policy.limits.iter().enumerate() {
         for spec in &limit.keys {
             let id = identity::identify(spec, client, headers, query);
-            let key = counter_key(&policy.name, &limit.id, &id);
+            let c = counter(&policy.name, limit, &id);
             // Two specs can fall back to the same identity (both to the client
             // address): count it once.
-            if counters.iter().any(|c| c.key == key) {
+            if counters.iter().any(|o| o.key == c.key) {
                 continue;
             }
-            counters.push(Counter {
-                key,
-                limit: limit.limit,
-                window_ms: limit.window.as_millis() as u64,
-                algorithm: limit.algorithm,
-            });
+            counters.push(c);
             limit_of.push(i);
         }
     }
     (counters, limit_of)
 }
 
-/// The key of one counter: `{TAG}:POLICY:LIMIT`, where TAG is the first 128
-/// bits of the SHA-256 of the identity (spec and value), in hex.
+/// The counter of one limit for one identity.
+fn counter(policy: &str, limit: &crate::config::Limit, id: &Identity) -> Counter {
+    let (key, group_len) = counter_key(policy, &limit.id, id);
+    Counter {
+        key,
+        group_len,
+        limit: limit.limit,
+        window_ms: limit.window.as_millis() as u64,
+        algorithm: limit.algorithm,
+    }
+}
+
+/// The key of one counter, `{TAG}:POLICY:LIMIT`, and the length of its
+/// `{TAG}:POLICY` part. TAG is the first 128 bits of the SHA-256 of the
+/// identity (spec and value), base64url-encoded (22 characters).
 ///
 /// The value itself never appears in a key: whatever bytes a client sends, and
 /// however many, its keys have the same shape and size, and the `{...}` hash
 /// tag puts all counters of one identity in one Redis Cluster slot.
-pub fn counter_key(policy: &str, limit_id: &str, id: &Identity) -> Vec<u8> {
+pub fn counter_key(policy: &str, limit_id: &str, id: &Identity) -> (Vec<u8>, usize) {
     let mut hasher = Sha256::new();
     hasher.update(id.spec.to_string().as_bytes());
     hasher.update([0]);
     hasher.update(&id.value);
     let digest = hasher.finalize();
-    let mut key = Vec::with_capacity(36 + policy.len() + limit_id.len());
+    let mut key = Vec::with_capacity(26 + policy.len() + limit_id.len());
     key.push(b'{');
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for b in &digest[..16] {
-        key.push(HEX[usize::from(b >> 4)]);
-        key.push(HEX[usize::from(b & 15)]);
-    }
+    base64url(&digest[..16], &mut key);
     key.extend_from_slice(b"}:");
     key.extend_from_slice(policy.as_bytes());
+    let group_len = key.len();
     key.push(b':');
     key.extend_from_slice(limit_id.as_bytes());
-    key
+    (key, group_len)
+}
+
+/// Base64url without padding (no `{`, `}` or `:` in it).
+fn base64url(bytes: &[u8], out: &mut Vec<u8>) {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]);
+        }
+    }
 }

@@ -52,6 +52,7 @@ fn store_at(url: Option<String>, cluster: Vec<String>, prefix: &str) -> RedisSto
 fn counter(id: &str, limit: u64, window_ms: u64, algorithm: Algorithm) -> Counter {
     Counter {
         key: format!("{{{id}}}:{}:{window_ms}", algorithm.name()).into_bytes(),
+        group_len: id.len() + 2,
         limit,
         window_ms,
         algorithm,

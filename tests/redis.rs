@@ -222,7 +222,17 @@ async fn every_algorithm_with_weighted_cost_through_redis_on(redis: TestRedis) {
         .into_iter()
         .filter(|k| k.starts_with("t:"))
         .collect();
-    assert_eq!(keys.len(), 4, "{keys:?}");
+    // One packed string for the identity's fixed, sliding and gcra records,
+    // and the log's own sorted set.
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    let packed = keys.iter().find(|k| !k.ends_with(":log")).unwrap();
+    let records: u64 = redis.query(
+        redis::cmd("EVAL")
+            .arg("local n = 0 for _ in pairs(cmsgpack.unpack(redis.call('GET', KEYS[1]))) do n = n + 1 end return n")
+            .arg(1)
+            .arg(packed),
+    );
+    assert_eq!(records, 3);
     let log_key = keys.iter().find(|k| k.ends_with(":30s:log")).unwrap();
     let units: u64 = redis.query(redis::cmd("ZCARD").arg(log_key));
     assert_eq!(units, 4, "one sorted-set entry per charged unit");

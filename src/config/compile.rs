@@ -562,6 +562,16 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
     if d.errors.len() > errors_before {
         return None;
     }
+    // Limits of one window and algorithm that count different keys (a global
+    // budget next to a per-client one) need ids of their own: a client whose
+    // header is missing is counted by address under both.
+    let ids: Vec<String> = limits.iter().map(|l| l.id.clone()).collect();
+    for l in &mut limits {
+        if ids.iter().filter(|id| **id == l.id).count() > 1 {
+            let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
+            l.id = format!("{}@{}", l.id, keys.join("+"));
+        }
+    }
     Some(Policy {
         name: name.to_string(),
         charge,

@@ -212,8 +212,14 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
                 _ => Vec::new(),
             };
             let used: u64 = live.iter().map(|(_, u)| u).sum();
-            let oldest = live.first().map_or(b, |(i, _)| *i).min(b);
-            let reset_ms = (oldest + n) * p;
+            // Reset: when every unit counted now has left the window. A
+            // request that passes lands in the current bucket; one that is
+            // refused leaves the newest bucket holding units as the last.
+            let reset_ms = if used + cost <= c.limit {
+                (b + n) * p
+            } else {
+                (live.last().map_or(b, |(i, _)| *i) + n) * p
+            };
             verdict(c.limit, used, cost, reset_ms, || {
                 free_after(
                     live.iter().map(|&(i, u)| ((i + n) * p, u)),

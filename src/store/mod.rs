@@ -9,7 +9,8 @@
 //!
 //! - `fixed`: a counter per window; windows are aligned to the unix epoch.
 //! - `sliding`: `window / precision` buckets; the buckets of the last `window`
-//!   (the current one included) are summed.
+//!   (the current one included) are summed. Its reset is when the units
+//!   counted now have all left the window.
 //! - `log`: every charged unit is remembered with its time; units younger than
 //!   `window` are counted.
 //! - `gcra`: a theoretical arrival time (TAT) that moves `window / limit` per unit;
@@ -24,8 +25,11 @@ use crate::config::Algorithm;
 #[derive(Debug, Clone)]
 pub struct Counter {
     /// Unique among all counters (the limiter builds it from policy, limit and
-    /// identity); the store adds its own prefix.
+    /// identity, as `{TAG}:POLICY:LIMIT`); the store adds its own prefix.
     pub key: Vec<u8>,
+    /// Length of the `{TAG}:POLICY` part of `key`: the Redis store keeps all
+    /// counters of one identity and policy in one key, one record per limit.
+    pub group_len: usize,
     pub limit: u64,
     pub window_ms: u64,
     pub algorithm: Algorithm,

@@ -159,10 +159,8 @@ impl RedisStore {
     pub async fn forget(&self, counters: &[Counter]) -> Result<(), StoreError> {
         let deadline = Instant::now() + self.timeout;
         for c in counters {
-            let mut key = self.prefix.as_bytes().to_vec();
-            key.extend_from_slice(&c.key);
             let mut cmd = redis::cmd("DEL");
-            cmd.arg(key);
+            cmd.arg(self.redis_key(c));
             let del = async {
                 match &self.conn {
                     Conn::Single(conn) => cmd.query_async::<i64>(&mut conn.clone()).await,
@@ -216,13 +214,38 @@ impl RedisStore {
         }
     }
 
-    fn keys<'a>(&self, inv: &mut ScriptInvocation<'a>, counters: &[Counter]) {
+    /// The Redis key a counter lives in: its identity's and policy's packed
+    /// string, or for a log its own sorted set.
+    fn redis_key(&self, c: &Counter) -> Vec<u8> {
+        let part = match c.algorithm {
+            Algorithm::Log => &c.key[..],
+            _ => &c.key[..c.group_len],
+        };
+        let mut key = Vec::with_capacity(self.prefix.len() + part.len());
+        key.extend_from_slice(self.prefix.as_bytes());
+        key.extend_from_slice(part);
+        key
+    }
+
+    /// Passes the distinct keys of `counters` as KEYS; returns, per counter,
+    /// the (1-based) index of its key.
+    fn keys(&self, inv: &mut ScriptInvocation<'_>, counters: &[Counter]) -> Vec<usize> {
+        let mut keys: Vec<Vec<u8>> = Vec::with_capacity(counters.len());
+        let mut index = Vec::with_capacity(counters.len());
         for c in counters {
-            let mut key = Vec::with_capacity(self.prefix.len() + c.key.len());
-            key.extend_from_slice(self.prefix.as_bytes());
-            key.extend_from_slice(&c.key);
-            inv.key(key);
+            let key = self.redis_key(c);
+            match keys.iter().position(|k| *k == key) {
+                Some(i) => index.push(i + 1),
+                None => {
+                    keys.push(key);
+                    index.push(keys.len());
+                }
+            }
         }
+        for k in keys {
+            inv.key(k);
+        }
+        index
     }
 
     async fn call<T: redis::FromRedisValue>(
@@ -362,11 +385,20 @@ impl RedisStore {
     ) -> Result<Outcome, StoreError> {
         let nonce = self.nonce.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1);
         let mut inv = self.acquire.prepare_invoke();
-        self.keys(&mut inv, counters);
-        inv.arg(mode).arg(self.now_arg(now_ms)).arg(cost).arg(nonce);
-        for c in counters {
+        let index = self.keys(&mut inv, counters);
+        inv.arg(mode)
+            .arg(self.now_arg(now_ms))
+            .arg(cost)
+            .arg(nonce)
+            .arg(counters.len());
+        for (c, ki) in counters.iter().zip(index) {
             let (alg, param) = script_params(c);
-            inv.arg(alg).arg(c.limit).arg(c.window_ms).arg(param);
+            inv.arg(ki)
+                .arg(alg)
+                .arg(c.limit)
+                .arg(c.window_ms)
+                .arg(param)
+                .arg(record_id(c));
         }
         let reply: Vec<i64> = self.call(&inv, deadline).await?;
         if reply.len() != 2 + 4 * counters.len() {
@@ -433,14 +465,16 @@ impl RedisStore {
         deadline: Instant,
     ) -> Result<(), StoreError> {
         let mut inv = self.refund.prepare_invoke();
-        self.keys(&mut inv, counters);
-        inv.arg(self.now_arg(now_ms)).arg(cost);
-        for (c, mark) in counters.iter().zip(marks) {
+        let index = self.keys(&mut inv, counters);
+        inv.arg(self.now_arg(now_ms)).arg(cost).arg(counters.len());
+        for ((c, mark), ki) in counters.iter().zip(marks).zip(index) {
             let (alg, param) = script_params(c);
-            inv.arg(alg)
+            inv.arg(ki)
+                .arg(alg)
                 .arg(c.limit)
                 .arg(c.window_ms)
                 .arg(param)
+                .arg(record_id(c))
                 .arg(*mark);
         }
         let _: i64 = self.call(&inv, deadline).await?;
@@ -458,6 +492,11 @@ fn hash_tag(key: &[u8]) -> &[u8] {
         (close > 0).then(|| &key[open + 1..open + 1 + close])
     };
     tag().unwrap_or(key)
+}
+
+/// A counter's record name in its packed string: the limit's id.
+fn record_id(c: &Counter) -> &[u8] {
+    c.key.get(c.group_len + 1..).unwrap_or_default()
 }
 
 /// The script's algorithm code and its parameter for a counter.
