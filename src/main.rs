@@ -7,6 +7,11 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
 
+// mimalloc: fewer cycles per request than the system allocator on the hot
+// path (many small, short-lived allocations in hyper and the proxy).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "sluice",
