@@ -204,6 +204,10 @@ def main():
     need("wrk", "wrk")
     need("nginx", "nginx-light")
     need("redis-server", "redis-server")
+    try:
+        import redis  # noqa: F401  (bench/redis_cost.py needs it)
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "redis"], check=True)
     print("--- building sluice (release)", flush=True)
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     sluice = os.path.join(ROOT, "target", "release", "sluice")
@@ -333,6 +337,14 @@ upstream = "api"
         with open(os.path.join(RESULTS, "results.json"), "w") as f:
             json.dump({"rows": rows, "extra": extra}, f, indent=1)
         svg_plot(rows, os.path.join(RESULTS, "plot.svg"))
+        # Redis memory and CPU per identity for the policy, hour window full.
+        identities = "10000" if args.quick else "100000"
+        print(f"\n--- Redis cost per identity ({identities} identities; takes a few minutes)", flush=True)
+        cost = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "redis_cost.py"), identities],
+                              capture_output=True, text=True)
+        print(cost.stdout + cost.stderr)
+        with open(os.path.join(RESULTS, "table.txt"), "a") as f:
+            f.write("\n" + cost.stdout)
         print(f"\nwrote bench/results/table.txt, results.json and plot.svg")
     finally:
         procs.stop()
