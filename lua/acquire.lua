@@ -52,8 +52,10 @@ end
 
 -- Ring slot j (1-based) of a ring whose counts are `w` bytes wide.
 local formats = {[2] = '>I2', [4] = '>I4', [8] = '>d'}
+local maxima = {[2] = 65535, [4] = 4294967295, [8] = 2 ^ 53}
+-- Room for four times the limit: charge = "after" may overshoot it.
 local function width(limit)
-  if limit <= 65535 then return 2 elseif limit <= 4294967295 then return 4 else return 8 end
+  if limit <= 16383 then return 2 elseif limit <= 1073741823 then return 4 else return 8 end
 end
 local function slot(ring, w, j)
   return (struct.unpack(formats[w], ring, (j - 1) * w + 1))
@@ -136,9 +138,13 @@ for i = 1, count do
         end
       end
     end
+    -- A slot saturates rather than wraps (only an absurd overshoot gets there);
+    -- the total stays the sum of the slots.
     local j = b % n + 1
-    ring = set_slot(ring, w, j, slot(ring, w, j) + cost)
-    p.state, p.ttl, p.mark = {pos, total + cost, b, ring}, (b + n) * param - now, b
+    local had = slot(ring, w, j)
+    local now_units = math.min(had + cost, maxima[w])
+    ring = set_slot(ring, w, j, now_units)
+    p.state, p.ttl, p.mark = {pos, total + now_units - had, b, ring}, (b + n) * param - now, b
   elseif alg == 2 then
     local key = KEYS[ki]
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
@@ -187,7 +193,7 @@ for i = 1, count do
 end
 
 if mode == 2 or (mode == 1 and allowed) then
-  local ttl = {}
+  local ttl, written = {}, {}
   for i = 1, count do
     local p = plans[i]
     if p.alg == 2 then
@@ -207,10 +213,20 @@ if mode == 2 or (mode == 1 and allowed) then
     else
       groups[p.ki][p.id] = p.state
       ttl[p.ki] = math.max(ttl[p.ki] or 1, p.ttl)
+      written[p.ki] = written[p.ki] or {}
+      written[p.ki][p.id] = true
     end
     out[2 + (i - 1) * 4 + 4] = p.mark
   end
   for ki, ms in pairs(ttl) do
+    -- Records this call did not touch (another key's fallback to this
+    -- identity, a longer window) keep the string alive as long as before.
+    for id in pairs(groups[ki]) do
+      if not written[ki][id] then
+        ms = math.max(ms, redis.call('PTTL', KEYS[ki]))
+        break
+      end
+    end
     redis.call('SET', KEYS[ki], cmsgpack.pack(groups[ki]), 'PX', ms)
   end
 end

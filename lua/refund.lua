@@ -34,7 +34,7 @@ end
 -- Ring slots, as in acquire.lua.
 local formats = {[2] = '>I2', [4] = '>I4', [8] = '>d'}
 local function width(limit)
-  if limit <= 65535 then return 2 elseif limit <= 4294967295 then return 4 else return 8 end
+  if limit <= 16383 then return 2 elseif limit <= 1073741823 then return 4 else return 8 end
 end
 local function slot(ring, w, j)
   return (struct.unpack(formats[w], ring, (j - 1) * w + 1))

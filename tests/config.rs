@@ -264,3 +264,21 @@ fn sighup_reloads_a_good_file_and_refuses_a_broken_one() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn limits_of_one_window_with_different_keys_get_their_own_ids() {
+    let text = "[policies.p]\nlimits = [\n  { limit = 100, window = \"1h\", key = \"global\" },\n  { limit = 2, window = \"1h\" },\n  { limit = 9, window = \"1m\" },\n]\n";
+    let config = sluice::config::parse(text, "c.toml", Path::new(".")).unwrap();
+    let ids: Vec<&str> = config.policies[0]
+        .limits
+        .iter()
+        .map(|l| l.id.as_str())
+        .collect();
+    assert_eq!(ids, ["1h:fixed@global", "1h:fixed@ip", "1m:fixed"]);
+    // The same keys in another order are the same limit twice.
+    let dup = "[policies.p]\nlimits = [\n  { limit = 1, window = \"1h\", key = [\"ip\", \"global\"] },\n  { limit = 2, window = \"1h\", key = [\"global\", \"ip\"] },\n]\n";
+    let err = sluice::config::parse(dup, "c.toml", Path::new("."))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("counts the same window as limits[0]"), "{err}");
+}

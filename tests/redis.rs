@@ -472,3 +472,46 @@ async fn usage_endpoint_on(redis: TestRedis) {
         StatusCode::BAD_REQUEST
     );
 }
+
+on_both!(a_fallback_record_keeps_its_lifetime, fallback_lifetime_on);
+
+async fn fallback_lifetime_on(redis: TestRedis) {
+    let up = Upstream::start().await;
+    // A daily budget per API key (by address when the key is missing), next
+    // to a per-second budget per address: both can live in the address's string.
+    let policy = "[policies.p]\nlimits = [\n\
+        { limit = 5, window = \"1d\", key = \"header:X-Key\" },\n\
+        { limit = 100, window = \"1s\" },\n]";
+    let s = Sluice::start(&config(&redis, &up, "redis", policy)).await;
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    // Now with a key: only the address's per-second record is charged there.
+    assert_eq!(
+        get(&s.url("/"), &[("x-key", "k1")]).await.status,
+        StatusCode::OK
+    );
+    let keys: Vec<String> = redis
+        .keys()
+        .into_iter()
+        .filter(|k| k.starts_with("t:"))
+        .collect();
+    let ttls: Vec<i64> = keys
+        .iter()
+        .map(|k| redis.query(redis::cmd("PTTL").arg(k)))
+        .collect();
+    // The address's string still holds the daily record, so it lives for a day.
+    assert!(
+        ttls.iter().filter(|&&t| t > 3_600_000).count() == 2,
+        "{keys:?} {ttls:?}"
+    );
+    let usage = get(&s.admin_url("/usage?policy=p&key=ip&value=127.0.0.1"), &[])
+        .await
+        .json();
+    let used: Vec<u64> = usage["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["used"].as_u64().unwrap())
+        .collect();
+    // The daily record survived (the per-second one may have rolled over).
+    assert_eq!(used[0], 1, "{usage}");
+}

@@ -550,7 +550,13 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
     for (i, raw_limit) in r.limits.get_ref().iter().enumerate() {
         let lkey = format!("{key}: limits[{i}]");
         if let Some(l) = limit(d, &lkey, raw_limit, &keys) {
-            if let Some(j) = limits.iter().position(|o| o.id == l.id && o.keys == l.keys) {
+            let same_keys = |a: &[KeySpec], b: &[KeySpec]| {
+                a.len() == b.len() && a.iter().all(|k| b.contains(k))
+            };
+            if let Some(j) = limits
+                .iter()
+                .position(|o| o.id == l.id && same_keys(&o.keys, &l.keys))
+            {
                 d.err(
                     &raw_limit.span(),
                     format!("{lkey}: counts the same window as limits[{j}]; merge them"),

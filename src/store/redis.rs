@@ -158,9 +158,12 @@ impl RedisStore {
     /// one on a cluster).
     pub async fn forget(&self, counters: &[Counter]) -> Result<(), StoreError> {
         let deadline = Instant::now() + self.timeout;
-        for c in counters {
+        let mut keys: Vec<Vec<u8>> = counters.iter().map(|c| self.redis_key(c)).collect();
+        keys.sort();
+        keys.dedup();
+        for key in keys {
             let mut cmd = redis::cmd("DEL");
-            cmd.arg(self.redis_key(c));
+            cmd.arg(key);
             let del = async {
                 match &self.conn {
                     Conn::Single(conn) => cmd.query_async::<i64>(&mut conn.clone()).await,

@@ -515,11 +515,7 @@ impl RedisCluster {
         std::fs::create_dir_all(&dir).unwrap();
         let mut nodes = Vec::new();
         for _ in 0..masters * 2 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            let port = free_cluster_port();
             let child = std::process::Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
@@ -666,6 +662,34 @@ impl RedisCluster {
         }
         let port = port.expect("no master for the slot");
         let i = self.nodes.iter().position(|n| n.port == port).unwrap();
+        // Replication is asynchronous: wait until the replica has everything
+        // the master has, so the test measures failover, not lost writes.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut self.nodes[i].conn())
+                .unwrap();
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .map(|v| v.trim().to_string())
+            };
+            let master = field("master_repl_offset:");
+            let replica = field("slave0:").and_then(|l| {
+                l.split(',')
+                    .find_map(|kv| kv.strip_prefix("offset="))
+                    .map(str::to_string)
+            });
+            if master.is_some() && master == replica {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "replica never caught up: {info}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let _ = self.nodes[i].child.kill();
         let _ = self.nodes[i].child.wait();
         i
@@ -683,6 +707,20 @@ impl Drop for RedisCluster {
 }
 
 static NEXT_CLUSTER: AtomicU64 = AtomicU64::new(0);
+
+/// A free port whose cluster bus port (port + 10000) exists and is free too.
+fn free_cluster_port() -> u16 {
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
 
 fn wait_for_ping(server: &RedisServer) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
