@@ -41,6 +41,43 @@ enum Conn {
     Cluster(Box<Cluster>),
 }
 
+/// One connection of either kind, usable wherever redis-rs wants one.
+enum Handle {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Handle {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Handle::Single(c) => c.req_packed_command(cmd),
+            Handle::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Handle::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Handle::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Handle::Single(c) => c.get_db(),
+            Handle::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 struct Cluster {
     client: ClusterClient,
     conn: OnceCell<ClusterConnection>,
@@ -131,18 +168,7 @@ impl RedisStore {
     /// Redis is down this fails quietly: each call loads on demand anyway.
     pub async fn preload(&self) {
         for script in [&self.acquire, &self.refund] {
-            let load = async {
-                match &self.conn {
-                    Conn::Single(c) => script.load_async(&mut c.clone()).await,
-                    Conn::Cluster(cluster) => {
-                        let Cluster { client, conn } = &**cluster;
-                        let c = conn
-                            .get_or_try_init(|| client.get_async_connection())
-                            .await?;
-                        script.load_async(&mut c.clone()).await
-                    }
-                }
-            };
+            let load = async { script.load_async(&mut self.handle().await?).await };
             match tokio::time::timeout(self.timeout, load).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
@@ -164,18 +190,7 @@ impl RedisStore {
         for key in keys {
             let mut cmd = redis::cmd("DEL");
             cmd.arg(key);
-            let del = async {
-                match &self.conn {
-                    Conn::Single(conn) => cmd.query_async::<i64>(&mut conn.clone()).await,
-                    Conn::Cluster(cluster) => {
-                        let Cluster { client, conn } = &**cluster;
-                        let conn = conn
-                            .get_or_try_init(|| client.get_async_connection())
-                            .await?;
-                        cmd.query_async::<i64>(&mut conn.clone()).await
-                    }
-                }
-            };
+            let del = async { cmd.query_async::<i64>(&mut self.handle().await?).await };
             match tokio::time::timeout_at(deadline, del).await {
                 Err(_) => return Err(StoreError::Timeout),
                 Ok(Err(e)) => return Err(StoreError::Unavailable(e.to_string())),
@@ -185,24 +200,28 @@ impl RedisStore {
         Ok(())
     }
 
+    /// A connection to send on: a clone of the multiplexed one, or of the
+    /// cluster's (made on first use).
+    async fn handle(&self) -> Result<Handle, RedisError> {
+        Ok(match &self.conn {
+            Conn::Single(c) => Handle::Single(c.clone()),
+            Conn::Cluster(cluster) => {
+                let Cluster { client, conn } = &**cluster;
+                let c = conn
+                    .get_or_try_init(|| client.get_async_connection())
+                    .await?;
+                Handle::Cluster(c.clone())
+            }
+        })
+    }
+
     fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(_))
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         let cmd = redis::cmd("PING");
-        let ping = async {
-            match &self.conn {
-                Conn::Single(c) => cmd.query_async::<String>(&mut c.clone()).await,
-                Conn::Cluster(cluster) => {
-                    let Cluster { client, conn } = &**cluster;
-                    let c = conn
-                        .get_or_try_init(|| client.get_async_connection())
-                        .await?;
-                    cmd.query_async::<String>(&mut c.clone()).await
-                }
-            }
-        };
+        let ping = async { cmd.query_async::<String>(&mut self.handle().await?).await };
         match tokio::time::timeout(self.timeout, ping).await {
             Err(_) => Err(StoreError::Timeout),
             Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
@@ -256,18 +275,7 @@ impl RedisStore {
         inv: &ScriptInvocation<'_>,
         deadline: Instant,
     ) -> Result<T, StoreError> {
-        let call = async {
-            match &self.conn {
-                Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
-                Conn::Cluster(cluster) => {
-                    let Cluster { client, conn } = &**cluster;
-                    let c = conn
-                        .get_or_try_init(|| client.get_async_connection())
-                        .await?;
-                    inv.invoke_async(&mut c.clone()).await
-                }
-            }
-        };
+        let call = async { inv.invoke_async(&mut self.handle().await?).await };
         match tokio::time::timeout_at(deadline, call).await {
             Err(_) => Err(StoreError::Timeout),
             Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
