@@ -289,10 +289,19 @@ fn counters(
 ) -> (Vec<Counter>, Vec<usize>) {
     let mut counters: Vec<Counter> = Vec::new();
     let mut limit_of = Vec::new();
+    // Limits usually share their keys: identify (and hash) each spec once.
+    let mut groups: Vec<(&KeySpec, Vec<u8>)> = Vec::new();
     for (i, limit) in policy.limits.iter().enumerate() {
         for spec in &limit.keys {
-            let id = identity::identify(spec, client, headers, query);
-            let c = counter(&policy.name, limit, &id);
+            let group = match groups.iter().position(|(s, _)| *s == spec) {
+                Some(g) => &groups[g].1,
+                None => {
+                    let id = identity::identify(spec, client, headers, query);
+                    groups.push((spec, group_key(&policy.name, &id)));
+                    &groups[groups.len() - 1].1
+                }
+            };
+            let c = counter_in(group, limit);
             // Two specs can fall back to the same identity (both to the client
             // address): count it once.
             if counters.iter().any(|o| o.key == c.key) {
@@ -307,38 +316,44 @@ fn counters(
 
 /// The counter of one limit for one identity.
 fn counter(policy: &str, limit: &crate::config::Limit, id: &Identity) -> Counter {
-    let (key, group_len) = counter_key(policy, &limit.id, id);
+    counter_in(&group_key(policy, id), limit)
+}
+
+/// The counter of one limit in an identity's group (see [`group_key`]).
+fn counter_in(group: &[u8], limit: &crate::config::Limit) -> Counter {
+    let mut key = Vec::with_capacity(group.len() + 1 + limit.id.len());
+    key.extend_from_slice(group);
+    key.push(b':');
+    key.extend_from_slice(limit.id.as_bytes());
     Counter {
         key,
-        group_len,
+        group_len: group.len(),
         limit: limit.limit,
         window_ms: limit.window.as_millis() as u64,
         algorithm: limit.algorithm,
     }
 }
 
-/// The key of one counter, `{TAG}:POLICY:LIMIT`, and the length of its
-/// `{TAG}:POLICY` part. TAG is the first 128 bits of the SHA-256 of the
-/// identity (spec and value), base64url-encoded (22 characters).
+/// `{TAG}:POLICY`: the part of its counters' keys one identity shares; a
+/// counter's key is this, `:` and the limit's id. TAG is the first 128 bits of
+/// the SHA-256 of the identity (spec and value), base64url-encoded (22
+/// characters).
 ///
 /// The value itself never appears in a key: whatever bytes a client sends, and
 /// however many, its keys have the same shape and size, and the `{...}` hash
 /// tag puts all counters of one identity in one Redis Cluster slot.
-pub fn counter_key(policy: &str, limit_id: &str, id: &Identity) -> (Vec<u8>, usize) {
+fn group_key(policy: &str, id: &Identity) -> Vec<u8> {
     let mut hasher = Sha256::new();
     hasher.update(id.spec.to_string().as_bytes());
     hasher.update([0]);
     hasher.update(&id.value);
     let digest = hasher.finalize();
-    let mut key = Vec::with_capacity(26 + policy.len() + limit_id.len());
+    let mut key = Vec::with_capacity(26 + policy.len());
     key.push(b'{');
     base64url(&digest[..16], &mut key);
     key.extend_from_slice(b"}:");
     key.extend_from_slice(policy.as_bytes());
-    let group_len = key.len();
-    key.push(b':');
-    key.extend_from_slice(limit_id.as_bytes());
-    (key, group_len)
+    key
 }
 
 /// Base64url without padding (no `{`, `}` or `:` in it).
