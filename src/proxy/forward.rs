@@ -7,6 +7,7 @@
 //! authority in `Host` (as nginx's `proxy_pass` does) unless the upstream sets
 //! `pass_host = true`.
 
+use std::fmt::Write;
 use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 
@@ -135,21 +136,17 @@ pub fn rewrite_request(
     if let Some(host) = host {
         headers.insert("x-forwarded-host", host.clone());
     }
-    let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prior) if headers.get_all("x-forwarded-for").iter().count() == 1 => {
-            format!("{prior}, {}", peer.to_canonical())
-        }
-        _ => {
-            let mut all: Vec<&str> = headers
-                .get_all("x-forwarded-for")
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .collect();
-            let peer = peer.to_canonical().to_string();
-            all.push(&peer);
-            all.join(", ")
-        }
-    };
+    // Every prior line, in order, then the peer.
+    let mut forwarded_for = String::new();
+    for prior in headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+    {
+        forwarded_for.push_str(prior);
+        forwarded_for.push_str(", ");
+    }
+    let _ = write!(forwarded_for, "{}", peer.to_canonical());
     if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
         headers.insert("x-forwarded-for", v);
     }

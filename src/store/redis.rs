@@ -294,7 +294,12 @@ impl RedisStore {
     ) -> Result<Outcome, StoreError> {
         // One deadline for the whole decision, however many slots it takes.
         let deadline = Instant::now() + self.timeout;
-        let groups = self.slot_groups(counters);
+        // Not on a cluster (the usual case), or one slot: one call.
+        let groups = if self.is_cluster() {
+            self.slot_groups(counters)
+        } else {
+            Vec::new()
+        };
         if groups.len() <= 1 {
             return self
                 .acquire_one(counters, cost, mode, now_ms, deadline)
@@ -369,12 +374,8 @@ impl RedisStore {
         let _ = tokio::time::timeout_at(deadline, task).await;
     }
 
-    /// Indices of `counters` grouped by cluster hash tag, in first-seen order;
-    /// one group when not on a cluster.
+    /// Indices of `counters` grouped by cluster hash tag, in first-seen order.
     fn slot_groups(&self, counters: &[Counter]) -> Vec<Vec<usize>> {
-        if !self.is_cluster() {
-            return vec![(0..counters.len()).collect()];
-        }
         let mut groups: Vec<(&[u8], Vec<usize>)> = Vec::new();
         for (i, c) in counters.iter().enumerate() {
             let tag = hash_tag(&c.key);
@@ -446,7 +447,11 @@ impl RedisStore {
         now_ms: u64,
     ) -> Result<(), StoreError> {
         let deadline = Instant::now() + self.timeout;
-        let groups = self.slot_groups(counters);
+        let groups = if self.is_cluster() {
+            self.slot_groups(counters)
+        } else {
+            Vec::new()
+        };
         if groups.len() <= 1 {
             return self
                 .refund_one(counters, marks, cost, now_ms, deadline)
