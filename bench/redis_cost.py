@@ -16,6 +16,7 @@ import base64
 import hashlib
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -24,9 +25,22 @@ import redis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDENTITIES = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
-# (limit, window ms, algorithm code, param): as src/store/redis.rs sends them.
+# (limit, window ms, algorithm code, param, limit id): as src/store/redis.rs sends them.
 LIMITS = [(10, 1000, 1, 1000, "1s:fixed"), (120, 60000, 1, 60000, "1m:fixed"),
           (240, 3600000, 1, 60000, "1h:sliding:1m")]
+
+
+def tag(limit_id):
+    """The record tag: 64-bit FNV-1a of the limit id."""
+    h = 0xcbf29ce484222325
+    for b in limit_id.encode():
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+# The counters argument: the same for every identity (one key).
+SPEC = b"".join(struct.pack(">BBdddQ", 1, alg, limit, window, param, tag(lid))
+                for (limit, window, alg, param, lid) in LIMITS)
 
 
 def free_port():
@@ -65,9 +79,7 @@ def main():
             pipe = r.pipeline(transaction=False)
             for i in range(IDENTITIES):
                 ip = "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
-                args = [1, now, 1, i, len(LIMITS)]
-                for (limit, window, alg, param, lid) in LIMITS:
-                    args += [1, alg, limit, window, param, lid]
+                args = [struct.pack(">Bddd", 1, now, 1, i), SPEC]
                 script(keys=[key_for(ip)], args=args, client=pipe)
                 if (i + 1) % pipe_size == 0:
                     pipe.execute()

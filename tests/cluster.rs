@@ -86,12 +86,16 @@ fn units(conn: &mut impl redis::ConnectionLike, key: &str) -> u64 {
     let kind: String = redis::cmd("TYPE").arg(key).query(conn).unwrap();
     match kind.as_str() {
         "zset" => redis::cmd("ZCARD").arg(key).query(conn).unwrap(),
-        // A packed string of records; a fixed or sliding record's second
-        // field is the units it counts.
+        // A packed string of records (see lua/acquire.lua); a fixed or
+        // sliding record's second number is the units it counts.
         "string" => redis::cmd("EVAL")
             .arg(
-                "local n = 0 for _, r in pairs(cmsgpack.unpack(redis.call('GET', KEYS[1]))) do \
-                 n = n + (r[2] or 0) end return n",
+                "local raw, off, n = redis.call('GET', KEYS[1]), 10, 0 \
+                 while off + 9 <= #raw do \
+                   local _, _, size = struct.unpack('>I4I4I2', raw, off) \
+                   if size >= 16 then n = n + struct.unpack('>d', raw, off + 18) end \
+                   off = off + 10 + size \
+                 end return n",
             )
             .arg(1)
             .arg(key)

@@ -228,7 +228,12 @@ async fn every_algorithm_with_weighted_cost_through_redis_on(redis: TestRedis) {
     let packed = keys.iter().find(|k| !k.ends_with(":log")).unwrap();
     let records: u64 = redis.query(
         redis::cmd("EVAL")
-            .arg("local n = 0 for _ in pairs(cmsgpack.unpack(redis.call('GET', KEYS[1]))) do n = n + 1 end return n")
+            .arg(
+                "local raw, off, n = redis.call('GET', KEYS[1]), 10, 0 \
+                 while off + 9 <= #raw do \
+                   off, n = off + 10 + struct.unpack('>I2', raw, off + 8), n + 1 \
+                 end return n",
+            )
             .arg(1)
             .arg(packed),
     );
