@@ -123,7 +123,12 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
         }
     };
     let state = proxy.state();
-    let Some(policy) = state.config.policies.iter().find(|p| p.name == policy_name) else {
+    let Some(policy) = state
+        .config
+        .policies
+        .iter()
+        .find(|p| *p.name == *policy_name)
+    else {
         return problem(StatusCode::NOT_FOUND, format!("no policy '{policy_name}'"));
     };
     let limiter = proxy.limiter();
@@ -142,7 +147,7 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
     if req.method() == Method::DELETE {
         return (
             StatusCode::OK,
-            serde_json::json!({ "policy": policy.name, "key": key, "value": value, "reset": true }),
+            serde_json::json!({ "policy": &*policy.name, "key": key, "value": value, "reset": true }),
         );
     }
     let limits: Vec<serde_json::Value> = usage
@@ -160,6 +165,6 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
         .collect();
     (
         StatusCode::OK,
-        serde_json::json!({ "policy": policy.name, "key": key, "value": value, "limits": limits }),
+        serde_json::json!({ "policy": &*policy.name, "key": key, "value": value, "limits": limits }),
     )
 }

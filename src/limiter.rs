@@ -344,7 +344,19 @@ fn counter_in(group: &[u8], limit: &crate::config::Limit) -> Counter {
 /// tag puts all counters of one identity in one Redis Cluster slot.
 fn group_key(policy: &str, id: &Identity) -> Vec<u8> {
     let mut hasher = Sha256::new();
-    hasher.update(id.spec.to_string().as_bytes());
+    // The spec as its Display writes it, without formatting a String.
+    match &id.spec {
+        KeySpec::Ip => hasher.update(b"ip"),
+        KeySpec::Global => hasher.update(b"global"),
+        KeySpec::Header(name) => {
+            hasher.update(b"header:");
+            hasher.update(name.as_str().as_bytes());
+        }
+        KeySpec::Query(name) => {
+            hasher.update(b"query:");
+            hasher.update(name.as_bytes());
+        }
+    }
     hasher.update([0]);
     hasher.update(&id.value);
     let digest = hasher.finalize();
@@ -367,5 +379,33 @@ fn base64url(bytes: &[u8], out: &mut Vec<u8>) {
         for i in 0..=chunk.len() {
             out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_keys_stay_as_documented() {
+        // Changing this changes every Redis key: counts would restart on upgrade.
+        let id = Identity {
+            spec: KeySpec::Ip,
+            value: b"203.0.113.9".to_vec(),
+        };
+        assert_eq!(
+            group_key("standard", &id),
+            b"{scNGtWJnPGS1PNrahGtNKQ}:standard".to_vec()
+        );
+        let header = Identity {
+            spec: KeySpec::Header(http::HeaderName::from_static("x-api-key")),
+            value: b"k".to_vec(),
+        };
+        let mut hasher = Sha256::new();
+        hasher.update(b"header:x-api-key\0k");
+        let mut want = b"{".to_vec();
+        base64url(&hasher.finalize()[..16], &mut want);
+        want.extend_from_slice(b"}:p");
+        assert_eq!(group_key("p", &header), want);
     }
 }

@@ -34,7 +34,7 @@ pub struct RouteStatus {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyOutcome {
-    pub policy: String,
+    pub policy: Name,
     pub outcome: &'static str,
 }
 
@@ -123,10 +123,10 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn decision(&self, policy: &str, outcome: &'static str) {
+    pub fn decision(&self, policy: &Arc<str>, outcome: &'static str) {
         self.decisions
             .get_or_create(&PolicyOutcome {
-                policy: policy.to_string(),
+                policy: Name(policy.clone()),
                 outcome,
             })
             .inc();

@@ -579,7 +579,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         }
     }
     Some(Policy {
-        name: name.to_string(),
+        name: name.into(),
         charge,
         refund,
         mode,

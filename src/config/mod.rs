@@ -236,7 +236,7 @@ pub enum Mode {
 
 #[derive(Debug)]
 pub struct Policy {
-    pub name: String,
+    pub name: Arc<str>,
     pub charge: Charge,
     pub refund: Vec<StatusCode>,
     pub mode: Mode,

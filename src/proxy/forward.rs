@@ -43,6 +43,10 @@ pub fn client(extra_ca: Option<&std::path::Path>) -> Result<UpstreamClient, TlsE
         .build(connector))
 }
 
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -56,6 +60,24 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Removes hop-by-hop headers, including those `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Usually there are none: one look at each header beats nine removals.
+    let any = headers.keys().any(|k| {
+        matches!(
+            k.as_str(),
+            "connection"
+                | "keep-alive"
+                | "proxy-connection"
+                | "proxy-authenticate"
+                | "proxy-authorization"
+                | "te"
+                | "trailer"
+                | "transfer-encoding"
+                | "upgrade"
+        )
+    });
+    if !any {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -74,8 +96,12 @@ pub const DOWN_FOR_MS: u64 = 10_000;
 
 /// The next server of an upstream, round robin, skipping servers marked down
 /// (unless all are: then the turn's server is tried anyway).
-pub fn pick(upstream: &Upstream, now_ms: u64) -> usize {
+pub fn pick(upstream: &Upstream) -> usize {
     let n = upstream.servers.len();
+    if n == 1 {
+        return 0;
+    }
+    let now_ms = crate::clock::Clock::system().now_ms();
     let start = upstream.next.fetch_add(1, Ordering::Relaxed);
     (0..n)
         .map(|k| (start + k) % n)
@@ -84,7 +110,8 @@ pub fn pick(upstream: &Upstream, now_ms: u64) -> usize {
 }
 
 /// Passive health: a server that refused a connection is skipped for a while.
-pub fn mark_down(upstream: &Upstream, i: usize, now_ms: u64) {
+pub fn mark_down(upstream: &Upstream, i: usize) {
+    let now_ms = crate::clock::Clock::system().now_ms();
     upstream.down_until[i].store(now_ms + DOWN_FOR_MS, Ordering::Relaxed);
 }
 
@@ -134,12 +161,12 @@ pub fn rewrite_request(
         headers.insert(header::UPGRADE, protocol.clone());
     }
     if let Some(host) = host {
-        headers.insert("x-forwarded-host", host.clone());
+        headers.insert(X_FORWARDED_HOST, host.clone());
     }
     // Every prior line, in order, then the peer.
     let mut forwarded_for = String::new();
     for prior in headers
-        .get_all("x-forwarded-for")
+        .get_all(&X_FORWARDED_FOR)
         .iter()
         .filter_map(|v| v.to_str().ok())
     {
@@ -148,10 +175,10 @@ pub fn rewrite_request(
     }
     let _ = write!(forwarded_for, "{}", peer.to_canonical());
     if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
-        headers.insert("x-forwarded-for", v);
+        headers.insert(X_FORWARDED_FOR, v);
     }
     headers.insert(
-        "x-forwarded-proto",
+        X_FORWARDED_PROTO,
         HeaderValue::from_static(if https { "https" } else { "http" }),
     );
     match (upstream.pass_host, host) {

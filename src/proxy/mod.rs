@@ -322,7 +322,7 @@ impl Proxy {
                 .as_ref()
                 .err()
                 .is_some_and(ProxyError::is_upstream_failure);
-            let policy = route.policy.as_ref().map_or("-", |p| p.name.as_str());
+            let policy = route.policy.as_ref().map_or("-", |p| &*p.name);
             match self.limiter.settle(ticket, status, upstream_failed).await {
                 Ok(true) => {
                     self.metrics
@@ -371,8 +371,7 @@ impl Proxy {
             }
             Target::Upstream(upstream) => upstream,
         };
-        let now_ms = crate::clock::Clock::system().now_ms();
-        let index = forward::pick(upstream, now_ms);
+        let index = forward::pick(upstream);
         let server = &upstream.servers[index];
         let mut req = req;
         // An Upgrade (WebSocket...) is passed through: both sides switch, then
@@ -394,13 +393,14 @@ impl Proxy {
         let sent = Instant::now();
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
         let result = tokio::time::timeout(timeout, client.request(req)).await;
-        ctx.upstream_time = Some(sent.elapsed());
+        let took = sent.elapsed();
+        ctx.upstream_time = Some(took);
         self.metrics
             .upstream_seconds
             .get_or_create(&UpstreamLabel {
                 upstream: Name(upstream.name.clone()),
             })
-            .observe(sent.elapsed().as_secs_f64());
+            .observe(took.as_secs_f64());
         let mut resp = match result {
             Err(_) => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
             Ok(Err(e)) if client_body_failed(&e) => {
@@ -410,7 +410,7 @@ impl Proxy {
             }
             Ok(Err(e)) => {
                 if e.is_connect() && upstream.servers.len() > 1 {
-                    forward::mark_down(upstream, index, now_ms);
+                    forward::mark_down(upstream, index);
                 }
                 tracing::warn!(upstream = %upstream.name, server = %server, error = %error_chain(&e), "upstream request failed");
                 return Err(ProxyError::UpstreamUnreachable);

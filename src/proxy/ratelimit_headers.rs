@@ -9,19 +9,24 @@
 //! ends on a whole second, so every response of one window shows the same value.
 
 use http::HeaderMap;
-use http::header::HeaderValue;
+use http::header::{HeaderName, HeaderValue};
 
 use crate::config::{HeaderStyle, Policy};
 use crate::limiter::Binding;
 
+// Names built once: a `&str` name is parsed again on every insert.
+const LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+const REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+const RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+const POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
 pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &Binding) {
     if matches!(style, HeaderStyle::XRateLimit | HeaderStyle::Both) {
-        headers.insert("x-ratelimit-limit", HeaderValue::from(b.limit));
-        headers.insert("x-ratelimit-remaining", HeaderValue::from(b.remaining));
-        headers.insert(
-            "x-ratelimit-reset",
-            HeaderValue::from(b.reset_ms.div_ceil(1000)),
-        );
+        headers.reserve(3);
+        headers.insert(LIMIT, HeaderValue::from(b.limit));
+        headers.insert(REMAINING, HeaderValue::from(b.remaining));
+        headers.insert(RESET, HeaderValue::from(b.reset_ms.div_ceil(1000)));
     }
     if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
         let name = |i: usize| item_name(policy, i);
@@ -41,7 +46,7 @@ pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &B
             })
             .collect();
         if let Ok(v) = HeaderValue::from_str(&list.join(", ")) {
-            headers.insert("ratelimit-policy", v);
+            headers.insert(POLICY, v);
         }
         let t = b.reset_in_ms.div_ceil(1000);
         let t = if b.retry_ms > 0 {
@@ -52,7 +57,7 @@ pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &B
         if let Ok(v) =
             HeaderValue::from_str(&format!("{};r={};t={}", name(b.index), b.remaining, t))
         {
-            headers.insert("ratelimit", v);
+            headers.insert(RATELIMIT, v);
         }
     }
 }

@@ -10,6 +10,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
+// foldhash, seeded per process: keys start with a SHA-256-derived tag a
+// client cannot aim, and SipHash was the larger part of a lookup.
+type Map = HashMap<Vec<u8>, Entry, foldhash::fast::RandomState>;
+
 use super::{Counter, CounterState, Outcome};
 use crate::config::Algorithm;
 
@@ -19,7 +23,7 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    map: HashMap<Vec<u8>, Entry>,
+    map: Map,
     /// Source of `log` marks: a refund removes exactly the entry it added.
     next_id: u64,
 }
@@ -53,7 +57,7 @@ impl MemoryStore {
     pub fn new(max_keys: usize) -> MemoryStore {
         MemoryStore {
             inner: Mutex::new(Inner {
-                map: HashMap::new(),
+                map: Map::default(),
                 next_id: 1,
             }),
             max_keys: max_keys.max(1),
@@ -129,25 +133,34 @@ impl MemoryStore {
 
     /// Adds `cost` units to a counter; returns the mark a refund needs.
     fn add(&self, inner: &mut Inner, c: &Counter, cost: u64, now: u64) -> u64 {
-        if !inner.map.contains_key(&c.key) && inner.map.len() >= self.max_keys {
-            make_room(&mut inner.map, self.max_keys, now);
-        }
         let id = inner.next_id;
         inner.next_id += 1;
-        let entry = inner.map.entry(c.key.clone()).or_insert_with(|| Entry {
+        let update = |entry: &mut Entry| {
+            if entry.expires_ms <= now {
+                entry.state = empty(c.algorithm);
+            }
+            let mark = charge(&mut entry.state, c, cost, now, id);
+            entry.expires_ms = expiry(&entry.state, c);
+            mark
+        };
+        // Looked up by reference first: the key is copied only for a new entry.
+        if let Some(entry) = inner.map.get_mut(&c.key) {
+            return update(entry);
+        }
+        if inner.map.len() >= self.max_keys {
+            make_room(&mut inner.map, self.max_keys, now);
+        }
+        let mut entry = Entry {
             state: empty(c.algorithm),
             expires_ms: 0,
-        });
-        if entry.expires_ms <= now {
-            entry.state = empty(c.algorithm);
-        }
-        let mark = charge(&mut entry.state, c, cost, now, id);
-        entry.expires_ms = expiry(&entry.state, c);
+        };
+        let mark = update(&mut entry);
+        inner.map.insert(c.key.clone(), entry);
         mark
     }
 }
 
-fn make_room(map: &mut HashMap<Vec<u8>, Entry>, max: usize, now: u64) {
+fn make_room(map: &mut Map, max: usize, now: u64) {
     map.retain(|_, e| e.expires_ms > now);
     if map.len() >= max {
         let evict: Vec<Vec<u8>> = map.keys().take((max / 16).max(1)).cloned().collect();
