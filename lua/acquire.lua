@@ -12,11 +12,13 @@
 --          algorithm (1 buckets, 2 log, 3 gcra), limit, window ms, precision
 --          ms (buckets) or burst (gcra), record tag (64 bits, two halves)
 --
--- Returns {allowed (0/1), now, then per counter: remaining, reset ms, retry
--- ms, mark (bucket index or nonce; 0 when nothing was charged)}.
+-- Returns a binary string: '>B' allowed (0/1), '>d' now, then per counter
+-- '>dddd' remaining, reset ms, retry ms, mark (bucket index or nonce; 0 when
+-- nothing was charged).
 --
--- The arguments are binary because parsing decimals was a third of this
--- script's cost. A packed string is "\1", '>d' the unix
+-- Binary both ways: parsing decimals was a third of this script's cost, and
+-- parsing an array of integers in the proxy cost more than the script's
+-- packing them. A packed string is "\1", '>d' the unix
 -- ms it expires at, then records: '>I4I4I2' tag, payload length, payload:
 --   fixed (one bucket of the whole window): '>dd' bucket index, units
 --   sliding (window/precision buckets): '>ddd' newest index, units in the
@@ -256,4 +258,4 @@ else
 end
 
 if allowed then reply[1] = 1 end
-return reply
+return pack_('>Bd' .. string.rep('dddd', count), unpack(reply))

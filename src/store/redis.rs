@@ -413,30 +413,13 @@ impl RedisStore {
         head[9..17].copy_from_slice(&(cost as f64).to_be_bytes());
         head[17..25].copy_from_slice(&(nonce as f64).to_be_bytes());
         inv.arg(&head[..]).arg(spec(counters, &index));
-        let reply: Vec<i64> = self.call(&inv, deadline).await?;
-        if reply.len() != 2 + 4 * counters.len() {
-            return Err(StoreError::Unavailable(format!(
-                "acquire.lua answered {} values for {} counters",
+        let reply: Vec<u8> = self.call(&inv, deadline).await?;
+        parse_outcome(&reply, counters.len()).ok_or_else(|| {
+            StoreError::Unavailable(format!(
+                "acquire.lua answered {} bytes for {} counters",
                 reply.len(),
                 counters.len()
-            )));
-        }
-        let u = |v: i64| v.max(0) as u64;
-        let mut states = Vec::with_capacity(counters.len());
-        let mut marks = Vec::with_capacity(counters.len());
-        for chunk in reply[2..].chunks_exact(4) {
-            states.push(CounterState {
-                remaining: u(chunk[0]),
-                reset_ms: u(chunk[1]),
-                retry_ms: u(chunk[2]),
-            });
-            marks.push(u(chunk[3]));
-        }
-        Ok(Outcome {
-            allowed: reply[0] == 1,
-            now_ms: u(reply[1]),
-            states,
-            marks,
+            ))
         })
     }
 
@@ -514,6 +497,36 @@ fn spec(counters: &[Counter], index: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Reads acquire.lua's answer: `>B` allowed, `>d` now, then `>dddd` per
+/// counter (remaining, reset, retry, mark).
+fn parse_outcome(reply: &[u8], count: usize) -> Option<Outcome> {
+    if reply.len() != 9 + 32 * count {
+        return None;
+    }
+    let num = |at: usize| -> Option<u64> {
+        let bytes: [u8; 8] = reply.get(at..at + 8)?.try_into().ok()?;
+        // `as` saturates: a negative or NaN value reads as 0.
+        Some(f64::from_be_bytes(bytes) as u64)
+    };
+    let mut states = Vec::with_capacity(count);
+    let mut marks = Vec::with_capacity(count);
+    for i in 0..count {
+        let at = 9 + 32 * i;
+        states.push(CounterState {
+            remaining: num(at)?,
+            reset_ms: num(at + 8)?,
+            retry_ms: num(at + 16)?,
+        });
+        marks.push(num(at + 24)?);
+    }
+    Some(Outcome {
+        allowed: reply[0] == 1,
+        now_ms: num(1)?,
+        states,
+        marks,
+    })
+}
+
 /// The part of a key Redis Cluster hashes: between the first `{` and the next
 /// `}` when that is not empty, else the whole key. (The prefix, which comes
 /// first, may not contain braces: the config refuses them.)
@@ -556,4 +569,40 @@ fn random_seed() -> u64 {
     );
     h.write_u32(std::process::id());
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_are_read_from_the_binary_answer() {
+        // allowed, now, then remaining, reset, retry, mark.
+        let mut reply = vec![1u8];
+        for v in [1_800_000_000_123.0f64, 5.0, 1_800_000_060_000.0, 0.0, 30.0] {
+            reply.extend_from_slice(&v.to_be_bytes());
+        }
+        let o = parse_outcome(&reply, 1).unwrap();
+        assert!(o.allowed);
+        assert_eq!(o.now_ms, 1_800_000_000_123);
+        assert_eq!(
+            o.states[0],
+            CounterState {
+                remaining: 5,
+                reset_ms: 1_800_000_060_000,
+                retry_ms: 0
+            }
+        );
+        assert_eq!(o.marks, vec![30]);
+        // An answer of the wrong length (another script, a cut reply) is refused.
+        assert!(parse_outcome(&reply, 2).is_none());
+        assert!(parse_outcome(&reply[..20], 1).is_none());
+        // A negative number reads as 0, never wraps around.
+        let mut denied = reply.clone();
+        denied[0] = 0;
+        denied[9..17].copy_from_slice(&(-1.0f64).to_be_bytes());
+        let o = parse_outcome(&denied, 1).unwrap();
+        assert!(!o.allowed);
+        assert_eq!(o.states[0].remaining, 0);
+    }
 }
