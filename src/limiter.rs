@@ -371,14 +371,22 @@ fn group_key(policy: &str, id: &Identity) -> Vec<u8> {
 /// Base64url without padding (no `{`, `}` or `:` in it).
 fn base64url(bytes: &[u8], out: &mut Vec<u8>) {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
-        for i in 0..=chunk.len() {
-            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]);
+    let char_at = |n: u32, shift: u32| ALPHABET[(n >> shift & 63) as usize];
+    let mut chunks = bytes.chunks_exact(3);
+    for c in &mut chunks {
+        let n = u32::from(c[0]) << 16 | u32::from(c[1]) << 8 | u32::from(c[2]);
+        out.extend_from_slice(&[char_at(n, 18), char_at(n, 12), char_at(n, 6), char_at(n, 0)]);
+    }
+    match *chunks.remainder() {
+        [a] => {
+            let n = u32::from(a) << 16;
+            out.extend_from_slice(&[char_at(n, 18), char_at(n, 12)]);
         }
+        [a, b] => {
+            let n = u32::from(a) << 16 | u32::from(b) << 8;
+            out.extend_from_slice(&[char_at(n, 18), char_at(n, 12), char_at(n, 6)]);
+        }
+        _ => {}
     }
 }
 

@@ -122,14 +122,23 @@ impl Default for Metrics {
     }
 }
 
+/// The outcomes `sluice_decisions_total` counts, in [`DecisionCounters`] order.
+pub const OUTCOMES: [&str; 4] = ["allowed", "shadow_limited", "limited", "store_error"];
+
+/// One policy's decision counters, looked up once per config instead of once
+/// per request (a `Family` lookup takes a lock and hashes the labels).
+pub type DecisionCounters = [Counter; 4];
+
 impl Metrics {
-    pub fn decision(&self, policy: &Arc<str>, outcome: &'static str) {
-        self.decisions
-            .get_or_create(&PolicyOutcome {
-                policy: Name(policy.clone()),
-                outcome,
-            })
-            .inc();
+    pub fn decision_counters(&self, policy: &Arc<str>) -> DecisionCounters {
+        OUTCOMES.map(|outcome| {
+            self.decisions
+                .get_or_create(&PolicyOutcome {
+                    policy: Name(policy.clone()),
+                    outcome,
+                })
+                .clone()
+        })
     }
 
     pub fn reload(&self, result: &'static str) {

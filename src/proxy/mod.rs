@@ -38,7 +38,7 @@ pub use error::ProxyError;
 use crate::config::{Config, OnError, Route, StoreConfig, Target};
 use crate::identity;
 use crate::limiter::{Binding, Limiter, Ticket, Verdict};
-use crate::metrics::{Metrics, Name, RouteStatus, UpstreamLabel};
+use crate::metrics::{DecisionCounters, Metrics, Name, RouteStatus, UpstreamLabel};
 use crate::router::Router;
 use crate::store::StoreError;
 use crate::tls::TlsError;
@@ -53,20 +53,35 @@ pub struct State {
     /// Clients of the upstreams that trust an extra CA, by upstream name; the
     /// others share the proxy's client.
     clients: HashMap<Arc<str>, UpstreamClient>,
+    /// Each policy's `sluice_decisions_total` counters, by policy name.
+    decisions: HashMap<Arc<str>, DecisionCounters, foldhash::fast::RandomState>,
 }
 
 impl State {
-    pub fn new(config: Config) -> Result<State, TlsError> {
+    /// Counts a decision; `outcome` indexes [`crate::metrics::OUTCOMES`].
+    fn count_decision(&self, policy: &str, outcome: usize) {
+        if let Some(counters) = self.decisions.get(policy) {
+            counters[outcome].inc();
+        }
+    }
+
+    pub fn new(config: Config, metrics: &Metrics) -> Result<State, TlsError> {
         let mut clients = HashMap::new();
         for u in config.upstreams.iter() {
             if let Some(ca) = &u.ca {
                 clients.insert(u.name.clone(), forward::client(Some(ca))?);
             }
         }
+        let decisions = config
+            .policies
+            .iter()
+            .map(|p| (p.name.clone(), metrics.decision_counters(&p.name)))
+            .collect();
         Ok(State {
             router: Router::new(&config.routes),
             config,
             clients,
+            decisions,
         })
     }
 }
@@ -103,12 +118,13 @@ impl Proxy {
             server: config.server.clone(),
             store: config.store.clone(),
         };
+        let metrics = Arc::new(Metrics::default());
         Ok(Proxy {
             boot,
-            state: ArcSwap::from_pointee(State::new(config)?),
+            state: ArcSwap::from_pointee(State::new(config, &metrics)?),
             limiter,
             client: forward::client(None)?,
-            metrics: Arc::new(Metrics::default()),
+            metrics,
             https,
         })
     }
@@ -129,7 +145,7 @@ impl Proxy {
     /// `max_header_bytes` is logged and waits for a restart. Counters live in
     /// the store, so they survive.
     pub fn replace(&self, config: Config) -> Result<(), TlsError> {
-        let state = State::new(config)?;
+        let state = State::new(config, &self.metrics)?;
         // Compared with what the process started with, not the last reload:
         // a pending change is reported until the restart.
         let (was, now) = (&self.boot, &state.config);
@@ -277,19 +293,19 @@ impl Proxy {
                     ticket: t,
                 }) => {
                     ctx.decision = "allowed";
-                    self.metrics.decision(&policy.name, "allowed");
+                    state.count_decision(&policy.name, 0);
                     binding = Some(b);
                     ticket = Some(t);
                 }
                 Ok(Verdict::ShadowLimited { binding: b }) => {
                     ctx.decision = "shadow-limited";
-                    self.metrics.decision(&policy.name, "shadow_limited");
+                    state.count_decision(&policy.name, 1);
                     tracing::info!(policy = %policy.name, client = %client, "shadow policy would have limited this request");
                     binding = Some(b);
                 }
                 Ok(Verdict::Limited { binding: b }) => {
                     ctx.decision = "limited";
-                    self.metrics.decision(&policy.name, "limited");
+                    state.count_decision(&policy.name, 2);
                     let mut resp = ProxyError::Limited {
                         retry_after: b.retry_ms.div_ceil(1000).max(1),
                     }
@@ -299,7 +315,7 @@ impl Proxy {
                 }
                 Err(e) => {
                     ctx.decision = "store-error";
-                    self.metrics.decision(&policy.name, "store_error");
+                    state.count_decision(&policy.name, 3);
                     self.metrics.store_errors.inc();
                     log_store_error(&e);
                     if config.store.on_error == OnError::Deny {
