@@ -378,3 +378,39 @@ async fn round_robin_skips_a_server_that_refuses_connections() {
         b.hits()
     );
 }
+
+/// Upstream connections are kept alive and reused: one after another, the
+/// requests share one connection; ten at once open at most ten, and the next
+/// ten reuse them.
+#[tokio::test]
+async fn upstream_connections_are_pooled_and_reused() {
+    let up = Upstream::start().await;
+    let s = Sluice::start(&format!(
+        "[upstreams.api]\nurl = \"{}\"\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n",
+        up.url()
+    ))
+    .await;
+    for _ in 0..5 {
+        assert_eq!(get(&s.url("/a"), &[]).await.status, StatusCode::OK);
+    }
+    assert_eq!(up.conns.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    let url = s.url("/b");
+    let burst = || async {
+        let replies = futures_util::future::join_all((0..10).map(|_| get(&url, &[]))).await;
+        assert!(replies.iter().all(|r| r.status == StatusCode::OK));
+    };
+    burst().await;
+    let after_first = up.conns.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        after_first <= 10,
+        "{after_first} connections for 10 requests"
+    );
+    burst().await;
+    assert_eq!(
+        up.conns.load(std::sync::atomic::Ordering::SeqCst),
+        after_first,
+        "the second burst reuses the pooled connections"
+    );
+    assert_eq!(up.hits(), 25);
+}

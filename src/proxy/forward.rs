@@ -16,32 +16,7 @@ use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
 use hyper::body::Incoming;
 
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
-
 use crate::config::{Upstream, UpstreamServer};
-use crate::tls::TlsError;
-
-/// A pooled, keep-alive client for http:// and https:// upstreams.
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, Incoming>;
-
-/// A client trusting the system roots, plus `extra_ca` if given.
-pub fn client(extra_ca: Option<&std::path::Path>) -> Result<UpstreamClient, TlsError> {
-    let mut http = HttpConnector::new();
-    http.set_nodelay(true);
-    http.set_keepalive(Some(std::time::Duration::from_secs(60)));
-    http.enforce_http(false);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(crate::tls::client_config(extra_ca)?)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(std::time::Duration::from_secs(60))
-        .build(connector))
-}
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -146,12 +121,8 @@ pub fn rewrite_request(
         PathAndQuery::try_from(format!("{}{}", server.base_path, pq))
     }
     .map_err(|_| "bad request target")?;
-    parts.uri = Uri::builder()
-        .scheme(server.scheme.clone())
-        .authority(server.authority.clone())
-        .path_and_query(pq)
-        .build()
-        .map_err(|_| "bad request target")?;
+    // Origin form (`/path?query`): the upstream learns its authority from Host.
+    parts.uri = Uri::from(pq);
     parts.version = Version::HTTP_11;
 
     let headers = &mut parts.headers;

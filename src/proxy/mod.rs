@@ -9,11 +9,13 @@
 //! 6. **log**: one access-log event.
 //!
 //! - `forward.rs`: request/response rewriting for the upstream;
+//! - `pool.rs`: the upstream client and its keep-alive connections;
 //! - `error.rs`: the errors sluice answers itself, as problem+json;
 //! - `ratelimit_headers.rs`: the `X-RateLimit-*` / IETF headers.
 
 mod error;
 mod forward;
+mod pool;
 mod ratelimit_headers;
 
 use std::net::SocketAddr;
@@ -31,7 +33,7 @@ use std::collections::HashMap;
 use http::StatusCode;
 use hyper_util::rt::TokioIo;
 
-use forward::UpstreamClient;
+use pool::{PooledBody, UpstreamClient, UpstreamError};
 
 pub use error::ProxyError;
 
@@ -44,7 +46,7 @@ use crate::store::StoreError;
 use crate::tls::TlsError;
 
 /// The body of every response sluice sends: the upstream's, streamed, or its own.
-pub type Body = Either<Incoming, Full<Bytes>>;
+pub type Body = Either<PooledBody, Full<Bytes>>;
 
 /// What a config turns into at run time; replaced whole on reload.
 pub struct State {
@@ -69,7 +71,7 @@ impl State {
         let mut clients = HashMap::new();
         for u in config.upstreams.iter() {
             if let Some(ca) = &u.ca {
-                clients.insert(u.name.clone(), forward::client(Some(ca))?);
+                clients.insert(u.name.clone(), UpstreamClient::new(Some(ca))?);
             }
         }
         let decisions = config
@@ -123,7 +125,7 @@ impl Proxy {
             boot,
             state: ArcSwap::from_pointee(State::new(config, &metrics)?),
             limiter,
-            client: forward::client(None)?,
+            client: UpstreamClient::new(None)?,
             metrics,
             https,
         })
@@ -408,7 +410,7 @@ impl Proxy {
         .map_err(ProxyError::BadRequest)?;
         let sent = Instant::now();
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
-        let result = tokio::time::timeout(timeout, client.request(req)).await;
+        let result = tokio::time::timeout(timeout, client.request(server, req)).await;
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
         self.metrics
@@ -419,13 +421,13 @@ impl Proxy {
             .observe(took.as_secs_f64());
         let mut resp = match result {
             Err(_) => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
-            Ok(Err(e)) if client_body_failed(&e) => {
+            Ok(Err(UpstreamError::Http(e))) if client_body_failed(&e) => {
                 return Err(ProxyError::BadRequest(
                     "the request body was malformed or cut off",
                 ));
             }
             Ok(Err(e)) => {
-                if e.is_connect() && upstream.servers.len() > 1 {
+                if matches!(e, UpstreamError::Connect { .. }) && upstream.servers.len() > 1 {
                     forward::mark_down(upstream, index);
                 }
                 tracing::warn!(upstream = %upstream.name, server = %server, error = %error_chain(&e), "upstream request failed");
@@ -497,8 +499,11 @@ fn request_host(req: &Request<Incoming>) -> Result<Option<HeaderValue>, ProxyErr
 
 /// True when an upstream call failed because the client's own body did (bad
 /// chunked encoding, a client that went away mid-upload): the client's fault.
-fn client_body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cause = e.source();
+fn client_body_failed(e: &hyper::Error) -> bool {
+    if e.is_user() {
+        return true;
+    }
+    let mut cause = std::error::Error::source(e);
     while let Some(c) = cause {
         if c.downcast_ref::<hyper::Error>()
             .is_some_and(hyper::Error::is_user)

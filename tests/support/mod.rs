@@ -35,6 +35,8 @@ pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 pub struct Upstream {
     pub addr: SocketAddr,
     pub hits: Arc<AtomicU64>,
+    /// Connections accepted.
+    pub conns: Arc<AtomicU64>,
 }
 
 impl Upstream {
@@ -42,12 +44,15 @@ impl Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicU64::new(0));
+        let conns = Arc::new(AtomicU64::new(0));
         let counter = hits.clone();
+        let accepted = conns.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((stream, peer)) = listener.accept().await else {
                     continue;
                 };
+                accepted.fetch_add(1, Ordering::SeqCst);
                 let hits = counter.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |req| {
@@ -60,7 +65,7 @@ impl Upstream {
                 });
             }
         });
-        Upstream { addr, hits }
+        Upstream { addr, hits, conns }
     }
 
     pub fn url(&self) -> String {
