@@ -22,7 +22,9 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// Hop-by-hop headers (RFC 9110 §7.6.1), and `Upgrade`, which is re-added
+/// for an upgrade only.
+static HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -31,39 +33,49 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::TE,
     header::TRAILER,
     header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
+
+/// The position of `name` in [`HOP_BY_HOP`], compared without case.
+fn hop_index(name: &str) -> Option<usize> {
+    HOP_BY_HOP
+        .iter()
+        .position(|h| h.as_str().eq_ignore_ascii_case(name))
+}
 
 /// Removes hop-by-hop headers, including those `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Usually there are none: one look at each header beats nine removals.
-    let any = headers.keys().any(|k| {
-        matches!(
-            k.as_str(),
-            "connection"
-                | "keep-alive"
-                | "proxy-connection"
-                | "proxy-authenticate"
-                | "proxy-authorization"
-                | "te"
-                | "trailer"
-                | "transfer-encoding"
-                | "upgrade"
-        )
-    });
-    if !any {
+    // One look at each header says which are there: usually none in a
+    // request, and `Connection: keep-alive` alone in a response.
+    let mut present = 0u16;
+    for name in headers.keys() {
+        if let Some(i) = hop_index(name.as_str()) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
         return;
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
-        headers.remove(name);
+    if present & 1 != 0 {
+        // Names `Connection` lists besides the standard ones (and `close`).
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|t| hop_index(t).is_none() && !t.eq_ignore_ascii_case("close"))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
     }
-    headers.remove(header::UPGRADE);
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & 1 << i != 0 {
+            headers.remove(name);
+        }
+    }
 }
 
 /// How long a server that refused a connection is skipped.
@@ -161,4 +173,35 @@ pub fn rewrite_request(
         }
     }
     Ok(Request::from_parts(parts, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_go_and_others_stay() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("X-Secret, CLOSE, Keep-Alive"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-kept"));
+
+        // Nothing to remove: nothing changes.
+        let mut plain = HeaderMap::new();
+        plain.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut plain);
+        assert_eq!(plain.len(), 1);
+    }
 }

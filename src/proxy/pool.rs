@@ -131,7 +131,8 @@ impl UpstreamClient {
         loop {
             let (mut sender, reused) = match self.pools.checkout(&origin) {
                 Some(sender) => (sender, true),
-                None => (self.connect(server, origin.0).await?, false),
+                // Boxed: rare once the pool is warm, and its state is large.
+                None => (Box::pin(self.connect(server, origin.0)).await?, false),
             };
             // A pooled connection may have been closed since it was checked.
             if reused && sender.ready().await.is_err() {

@@ -96,7 +96,9 @@ impl Store {
     ) -> Result<Outcome, StoreError> {
         match self {
             Store::Memory(m) => Ok(m.acquire(counters, cost, charge, now_ms)),
-            Store::Redis(r) => r.acquire(counters, cost, u8::from(charge), now_ms).await,
+            // Boxed: the Redis call's state is large, and every request's future
+            // would otherwise carry it (and move it), whatever its store.
+            Store::Redis(r) => Box::pin(r.acquire(counters, cost, u8::from(charge), now_ms)).await,
         }
     }
 
@@ -114,7 +116,7 @@ impl Store {
                 m.refund(counters, marks, cost, now_ms);
                 Ok(())
             }
-            Store::Redis(r) => r.refund(counters, marks, cost, now_ms).await,
+            Store::Redis(r) => Box::pin(r.refund(counters, marks, cost, now_ms)).await,
         }
     }
 
@@ -125,7 +127,7 @@ impl Store {
                 m.forget(counters);
                 Ok(())
             }
-            Store::Redis(r) => r.forget(counters).await,
+            Store::Redis(r) => Box::pin(r.forget(counters)).await,
         }
     }
 
@@ -133,7 +135,7 @@ impl Store {
     pub async fn ping(&self) -> Result<(), StoreError> {
         match self {
             Store::Memory(_) => Ok(()),
-            Store::Redis(r) => r.ping().await,
+            Store::Redis(r) => Box::pin(r.ping()).await,
         }
     }
 
@@ -149,7 +151,9 @@ impl Store {
                 m.charge(counters, cost, now_ms);
                 Ok(())
             }
-            Store::Redis(r) => r.acquire(counters, cost, 2, now_ms).await.map(|_| ()),
+            Store::Redis(r) => Box::pin(r.acquire(counters, cost, 2, now_ms))
+                .await
+                .map(|_| ()),
         }
     }
 }
