@@ -43,35 +43,25 @@ end
 local spec = ARGV[2]
 local count = #spec / 34
 
--- Per key index, read on first use: the stored string, its expiry, and the
--- offset of each record by tag, and how many records it holds.
-local raws, expiries, offsets, stored = {}, {}, {}, {}
-local function load(ki)
-  local raw, at, expiry, n = redis.call('GET', KEYS[ki]), {}, 0, 0
-  if raw and raw:byte(1) == 1 and #raw >= 9 then
-    expiry = unpack_('>d', raw, 2)
-    local off, len = 10, #raw
-    while off + 9 <= len do
-      local hi, lo, size = unpack_('>I4I4I2', raw, off)
-      if off + 9 + size > len then break end
-      at[hi * 4294967296 + lo] = off
-      off = off + 10 + size
-      n = n + 1
-    end
-  else
-    raw = ''
+-- The offset of each record of a packed string, by tag.
+local function scan(raw)
+  local at, off, len = {}, 10, #raw
+  while off + 9 <= len do
+    local hi, lo, size = unpack_('>I4I4I2', raw, off)
+    if off + 9 + size > len then break end
+    at[hi * 4294967296 + lo] = off
+    off = off + 10 + size
   end
-  raws[ki], expiries[ki], offsets[ki], stored[ki] = raw, expiry, at, n
+  return at
 end
 
-local formats = {[2] = '>I2', [4] = '>I4', [8] = '>d'}
-local maxima = {[2] = 65535, [4] = 4294967295, [8] = 2 ^ 53}
+-- Per key index, read on first use (see below).
+local groups = {}
 
--- What the charge writes: per counter its key index and new record; per
--- key the expiry it needs and how many stored records this call rewrites.
-local kis, records, needs, hits = {}, {}, {}, {}
+
+
 local reply = {0, now}
-local allowed = true
+local allowed, logs = true, false
 
 for i = 1, count do
   local ki, alg, limit, window, param, hi, lo = unpack_('>BBdddI4I4', spec, (i - 1) * 34 + 1)
@@ -93,13 +83,41 @@ for i = 1, count do
         retry = tonumber(e[2]) + window - now
       end
     end
-    mark = nonce
+    mark, logs = nonce, true
   else
-    if raws[ki] == nil then load(ki) end
-    local raw, tag = raws[ki], hi * 4294967296 + lo
-    local off = offsets[ki][tag]
-    local size = off and unpack_('>I2', raw, off + 8)
-    if off then hits[ki] = (hits[ki] or 0) + 1 end
+    local g = groups[ki]
+    if g == nil then
+      local raw, expiry, cursor = redis.call('GET', KEYS[ki]), 0, false
+      if raw and raw:byte(1) == 1 and #raw >= 9 then
+        expiry, cursor = unpack_('>d', raw, 2), 10
+      else
+        raw = ''
+      end
+      -- One table per key (tables are what a call spends most on): the
+      -- string, its expiry, the offset of the record expected next (false
+      -- once out of order), records by tag (false until needed), the expiry
+      -- this call needs, and the parts of the string to write: "\1", the
+      -- expiry, then this call's records.
+      g = {raw, expiry, cursor, false, 0, {'\1', ''}}
+      groups[ki] = g
+    end
+    local raw, tag = g[1], hi * 4294967296 + lo
+    -- Records are usually stored in the order calls ask for them: try the
+    -- next one first, and look records up by tag only when it is not that.
+    local off, size
+    local cursor = g[3]
+    if cursor and cursor + 9 <= #raw then
+      local thi, tlo, tsize = unpack_('>I4I4I2', raw, cursor)
+      if thi == hi and tlo == lo and cursor + 9 + tsize <= #raw then
+        off, size, g[3] = cursor, tsize, cursor + 10 + tsize
+      end
+    end
+    if off == nil and #raw > 9 then
+      g[3] = false
+      if not g[4] then g[4] = scan(raw) end
+      off = g[4][tag]
+      size = off and unpack_('>I2', raw, off + 8)
+    end
 
     if alg == 1 and window == param then
       local b = floor(now / param)
@@ -119,8 +137,15 @@ for i = 1, count do
     elseif alg == 1 then
       local n = window / param
       local b = floor(now / param)
-      local w = limit <= 16383 and 2 or (limit <= 1073741823 and 4 or 8)
-      local fmt, len = formats[w], n * w
+      -- Slot width: room for four times the limit (charge = "after" may
+      -- overshoot it), and the largest count a slot holds.
+      local w, fmt, most = 2, '>I2', 65535
+      if limit > 1073741823 then
+        w, fmt, most = 8, '>d', 2 ^ 53
+      elseif limit > 16383 then
+        w, fmt, most = 4, '>I4', 4294967295
+      end
+      local len = n * w
       -- The ring is `ring` from byte `r`: at first a part of the stored string.
       local pos, total, nz, ring, r
       if size == 24 + len then
@@ -169,7 +194,7 @@ for i = 1, count do
       -- there); the total stays the sum of the slots.
       local at = r + (b % n) * w
       local had = unpack_(fmt, ring, at)
-      local units = math.min(had + cost, maxima[w])
+      local units = math.min(had + cost, most)
       record = pack_('>I4I4I2ddd', hi, lo, 24 + len, pos, total + units - had, b)
         .. ring:sub(r, at - 1) .. pack_(fmt, units) .. ring:sub(at + w, r + len - 1)
       expiry, mark = (b + n) * param, b
@@ -190,8 +215,9 @@ for i = 1, count do
       end
       record, expiry, mark = pack_('>I4I4I2d', hi, lo, 8, new_tat), math.ceil(new_tat / 1000), 0
     end
-    kis[i], records[i] = ki, record
-    needs[ki] = max(needs[ki] or 0, expiry)
+    local parts = g[6]
+    parts[#parts + 1] = record
+    g[5] = max(g[5], expiry)
   end
 
   if retry > 0 then
@@ -205,9 +231,9 @@ end
 local charged = mode == 2 or (mode == 1 and allowed)
 if charged then
   -- Log counters: one entry per unit, added in slices to stay within Lua's stack.
-  for i = 1, count do
-    if kis[i] == nil then
-      local ki, _, _, window = unpack_('>BBdd', spec, (i - 1) * 34 + 1)
+  for i = 1, logs and count or 0 do
+    local ki, alg, _, window = unpack_('>BBdd', spec, (i - 1) * 34 + 1)
+    if alg == 2 then
       local key, unit, prefix = KEYS[ki], 0, string.format('%d:', nonce)
       while unit < cost do
         local args = {}
@@ -224,28 +250,25 @@ if charged then
   end
   -- Packed strings: this call's records, then the stored ones it did not
   -- rewrite. The TTL is set only when the string must live longer.
-  for ki, need in pairs(needs) do
-    local raw, at = raws[ki], offsets[ki]
-    local expiry = max(need, expiries[ki])
-    local parts = {'\1', pack_('>d', expiry)}
-    for i = 1, count do
-      if kis[i] == ki then parts[#parts + 1] = records[i] end
-    end
-    if (hits[ki] or 0) < stored[ki] then
+  for ki, g in pairs(groups) do
+    local raw, stored_expiry = g[1], g[2]
+    local expiry = max(g[5], stored_expiry)
+    local parts = g[6]
+    parts[2] = pack_('>d', expiry)
+    -- Unless the call rewrote every stored record in order, keep the others.
+    if #raw > 9 and g[3] ~= #raw + 1 then
       local mine = {}
       for i = 1, count do
-        if kis[i] == ki then
-          local _, _, _, _, _, hi, lo = unpack_('>BBdddI4I4', spec, (i - 1) * 34 + 1)
-          mine[hi * 4294967296 + lo] = true
-        end
+        local k, alg, _, _, _, hi, lo = unpack_('>BBdddI4I4', spec, (i - 1) * 34 + 1)
+        if k == ki and alg ~= 2 then mine[hi * 4294967296 + lo] = true end
       end
-      for tag, off in pairs(at) do
+      for tag, off in pairs(g[4] or scan(raw)) do
         if not mine[tag] then
           parts[#parts + 1] = raw:sub(off, off + 9 + unpack_('>I2', raw, off + 8))
         end
       end
     end
-    if expiry > expiries[ki] then
+    if expiry > stored_expiry then
       -- A second of slack: with clock = "local", another instance's clock
       -- may be behind this one's.
       redis.call('SET', KEYS[ki], table.concat(parts), 'PX', string.format('%d', expiry - now + 1000))

@@ -520,3 +520,65 @@ async fn fallback_lifetime_on(redis: TestRedis) {
     // The daily record survived (the per-second one may have rolled over).
     assert_eq!(used[0], 1, "{usage}");
 }
+
+on_both!(
+    records_survive_reordered_removed_and_restored_limits,
+    reordered_limits_on
+);
+
+/// Records are found by their limit, not their place: a reload that reorders
+/// a policy's limits keeps every count, and one that drops a limit keeps its
+/// record in the string, so restoring the limit restores its count.
+async fn reordered_limits_on(redis: TestRedis) {
+    let up = Upstream::start().await;
+    let hour = "{ limit = 10, window = \"1h\" }";
+    let day = "{ limit = 20, window = \"1d\" }";
+    let sliding = "{ limit = 30, window = \"1h\", precision = \"1m\" }";
+    let cfg = |limits: &[&str]| {
+        config(
+            &redis,
+            &up,
+            "local",
+            &format!("[policies.p]\nlimits = [\n{}\n]", limits.join(",\n")),
+        )
+    };
+    let parse = |text: String| {
+        sluice::config::parse(&text, "test.toml", std::path::Path::new(".")).unwrap()
+    };
+    let s = Sluice::start_with_clock(
+        &cfg(&[hour, day, sliding]),
+        clock_at_window_start(86_400_000),
+    )
+    .await;
+    let used = || async {
+        let usage = get(&s.admin_url("/usage?policy=p&key=ip&value=127.0.0.1"), &[])
+            .await
+            .json();
+        usage["limits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["used"].as_u64().unwrap())
+            .collect::<Vec<u64>>()
+    };
+    for _ in 0..3 {
+        assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    }
+    assert_eq!(used().await, [3, 3, 3]);
+
+    s.proxy.replace(parse(cfg(&[sliding, day, hour]))).unwrap();
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(used().await, [4, 4, 4], "reordered");
+
+    s.proxy.replace(parse(cfg(&[hour, sliding]))).unwrap();
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(used().await, [5, 5], "the daily limit dropped");
+
+    s.proxy.replace(parse(cfg(&[hour, day, sliding]))).unwrap();
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(
+        used().await,
+        [6, 5, 6],
+        "the daily count was kept meanwhile"
+    );
+}
