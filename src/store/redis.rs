@@ -129,7 +129,11 @@ impl RedisStore {
                 };
                 let manager = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(config.timeout))
-                    .set_response_timeout(Some(config.timeout))
+                    // No response timer of its own: every call is already bounded
+                    // by `store.timeout` below (one timer per call, not two), and
+                    // its timeout would not make it reconnect either (redis-rs
+                    // reconnects on dropped connections, not on timeouts).
+                    .set_response_timeout(None)
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(500));
                 Conn::Single(ConnectionManager::new_lazy_with_config(client, manager).map_err(bad)?)
