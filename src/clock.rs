@@ -8,6 +8,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// This host's clock in unix ms, for what no test needs to move (passive
+/// health, log throttling): no `Clock` to make, so no allocation.
+pub fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64
+}
+
 #[derive(Clone, Default)]
 pub struct Clock {
     offset_ms: Arc<AtomicI64>,
@@ -21,11 +30,8 @@ impl Clock {
 
     /// Milliseconds since the unix epoch, offset included.
     pub fn now_ms(&self) -> u64 {
-        let wall = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis() as i64;
-        wall.saturating_add(self.offset_ms.load(Ordering::Relaxed))
+        (wall_ms() as i64)
+            .saturating_add(self.offset_ms.load(Ordering::Relaxed))
             .max(0) as u64
     }
 

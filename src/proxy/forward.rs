@@ -88,7 +88,7 @@ pub fn pick(upstream: &Upstream) -> usize {
     if n == 1 {
         return 0;
     }
-    let now_ms = crate::clock::Clock::system().now_ms();
+    let now_ms = crate::clock::wall_ms();
     let start = upstream.next.fetch_add(1, Ordering::Relaxed);
     (0..n)
         .map(|k| (start + k) % n)
@@ -98,7 +98,7 @@ pub fn pick(upstream: &Upstream) -> usize {
 
 /// Passive health: a server that refused a connection is skipped for a while.
 pub fn mark_down(upstream: &Upstream, i: usize) {
-    let now_ms = crate::clock::Clock::system().now_ms();
+    let now_ms = crate::clock::wall_ms();
     upstream.down_until[i].store(now_ms + DOWN_FOR_MS, Ordering::Relaxed);
 }
 

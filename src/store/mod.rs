@@ -72,7 +72,7 @@ pub enum StoreError {
 pub fn log_error(e: &StoreError, what: &str) {
     use std::sync::atomic::{AtomicU64, Ordering};
     static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = crate::clock::Clock::system().now_ms() / 1000;
+    let now = crate::clock::wall_ms() / 1000;
     if LAST.swap(now, Ordering::Relaxed) != now {
         tracing::warn!(error = %e, "{what}");
     }
