@@ -102,27 +102,6 @@ impl Limiter {
             return Ok(Verdict::Limited { binding });
         }
         let outcome = self.store.acquire(&counters, cost, charge, now).await?;
-        if let (Some(cache), false) = (cache, outcome.allowed) {
-            for (i, s) in outcome
-                .states
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.retry_ms > 0)
-            {
-                let l = &policy.limits[limit_of[i]];
-                let b = Binding {
-                    limit: l.limit,
-                    window_ms: l.window.as_millis() as u64,
-                    remaining: 0,
-                    reset_ms: s.reset_ms,
-                    reset_in_ms: s.reset_ms.saturating_sub(outcome.now_ms),
-                    retry_ms: s.retry_ms,
-                    index: limit_of[i],
-                };
-                cache.insert(&counters[i].key, cost, b, now);
-            }
-        }
-
         let binding = |i: usize| {
             let s = outcome.states[i];
             let l = &policy.limits[limit_of[i]];
@@ -136,6 +115,13 @@ impl Limiter {
                 index: limit_of[i],
             }
         };
+        if let (Some(cache), false) = (cache, outcome.allowed) {
+            for (i, s) in outcome.states.iter().enumerate() {
+                if s.retry_ms > 0 {
+                    cache.insert(&counters[i].key, cost, binding(i), now);
+                }
+            }
+        }
         let chosen = if outcome.allowed {
             // The least remaining binds; on a tie the later reset.
             (0..counters.len()).min_by_key(|&i| {

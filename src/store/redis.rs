@@ -308,11 +308,7 @@ impl RedisStore {
         // One deadline for the whole decision, however many slots it takes.
         let deadline = Instant::now() + self.timeout;
         // Not on a cluster (the usual case), or one slot: one call.
-        let groups = if self.is_cluster() {
-            self.slot_groups(counters)
-        } else {
-            Vec::new()
-        };
+        let groups = self.slot_groups(counters);
         if groups.len() <= 1 {
             return self
                 .acquire_one(counters, cost, mode, now_ms, deadline)
@@ -387,8 +383,13 @@ impl RedisStore {
         let _ = tokio::time::timeout_at(deadline, task).await;
     }
 
-    /// Indices of `counters` grouped by cluster hash tag, in first-seen order.
+    /// Indices of `counters` grouped by cluster hash tag, in first-seen order;
+    /// none off a cluster, where every call goes to one server anyway (and
+    /// grouping would cost two allocations per decision).
     fn slot_groups(&self, counters: &[Counter]) -> Vec<Vec<usize>> {
+        if !self.is_cluster() {
+            return Vec::new();
+        }
         let mut groups: Vec<(&[u8], Vec<usize>)> = Vec::new();
         for (i, c) in counters.iter().enumerate() {
             let tag = hash_tag(&c.key);
@@ -435,11 +436,7 @@ impl RedisStore {
         now_ms: u64,
     ) -> Result<(), StoreError> {
         let deadline = Instant::now() + self.timeout;
-        let groups = if self.is_cluster() {
-            self.slot_groups(counters)
-        } else {
-            Vec::new()
-        };
+        let groups = self.slot_groups(counters);
         if groups.len() <= 1 {
             return self
                 .refund_one(counters, marks, cost, now_ms, deadline)
