@@ -59,7 +59,6 @@ end
 local groups = {}
 
 
-
 local reply = {0, now}
 local allowed, logs = true, false
 
