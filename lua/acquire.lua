@@ -43,188 +43,207 @@ end
 local spec = ARGV[2]
 local count = #spec / 34
 
--- The offset of each record of a packed string, by tag.
+-- The offset of each record of a packed string, by tag. (No upvalues: a
+-- closure that captures locals costs a call more than a table.)
 local function scan(raw)
-  local at, off, len = {}, 10, #raw
+  local index, off, len = {}, 10, #raw
   while off + 9 <= len do
-    local hi, lo, size = unpack_('>I4I4I2', raw, off)
+    local hi, lo, size = struct.unpack('>I4I4I2', raw, off)
     if off + 9 + size > len then break end
-    at[hi * 4294967296 + lo] = off
+    index[hi * 4294967296 + lo] = off
     off = off + 10 + size
   end
-  return at
+  return index
 end
 
--- Per key index, read on first use (see below).
-local groups = {}
-
-
-local reply = {0, now}
+-- Room for three counters: growing a table costs more than filling it.
+local reply = {0, now, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 local allowed, logs = true, false
+-- Per packed string, what a charge writes: {key index, stored string,
+-- this call's records, expiry they need, stored expiry, offset after the last
+-- record read in order (or false), records by tag (or false)}.
+local writes = {}
 
-for i = 1, count do
-  local ki, alg, limit, window, param, hi, lo = unpack_('>BBdddI4I4', spec, (i - 1) * 34 + 1)
-  local remaining, reset, retry, mark, record, expiry
+-- Key by key, so that a key's state lives in locals; counters in spec order.
+for ki = 1, #KEYS do
+  -- raw: the stored string (nil until read); cursor: the offset of the
+  -- record expected next (false once out of order); index: records by tag;
+  -- value: this call's records; need: the expiry they need.
+  local raw, stored, cursor, index, value, need = nil, 0, 10, false, nil, 0
 
-  if alg == 2 then
-    local key = KEYS[ki]
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-    local used = redis.call('ZCARD', key)
-    local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-    if #first > 0 then reset = tonumber(first[2]) + window else reset = now + window end
-    if used + cost <= limit then
-      remaining, retry = limit - used - cost, 0
-    else
-      remaining, retry = max(limit - used, 0), window
-      local need = used + cost - limit
-      if need <= used then
-        local e = redis.call('ZRANGE', key, need - 1, need - 1, 'WITHSCORES')
-        retry = tonumber(e[2]) + window - now
-      end
-    end
-    mark, logs = nonce, true
-  else
-    local g = groups[ki]
-    if g == nil then
-      local raw, expiry, cursor = redis.call('GET', KEYS[ki]), 0, false
-      if raw and raw:byte(1) == 1 and #raw >= 9 then
-        expiry, cursor = unpack_('>d', raw, 2), 10
-      else
-        raw = ''
-      end
-      -- One table per key (tables are what a call spends most on): the
-      -- string, its expiry, the offset of the record expected next (false
-      -- once out of order), records by tag (false until needed), the expiry
-      -- this call needs, and the parts of the string to write: "\1", the
-      -- expiry, then this call's records.
-      g = {raw, expiry, cursor, false, 0, {'\1', ''}}
-      groups[ki] = g
-    end
-    local raw, tag = g[1], hi * 4294967296 + lo
-    -- Records are usually stored in the order calls ask for them: try the
-    -- next one first, and look records up by tag only when it is not that.
-    local off, size
-    local cursor = g[3]
-    if cursor and cursor + 9 <= #raw then
-      local thi, tlo, tsize = unpack_('>I4I4I2', raw, cursor)
-      if thi == hi and tlo == lo and cursor + 9 + tsize <= #raw then
-        off, size, g[3] = cursor, tsize, cursor + 10 + tsize
-      end
-    end
-    if off == nil and #raw > 9 then
-      g[3] = false
-      if not g[4] then g[4] = scan(raw) end
-      off = g[4][tag]
-      size = off and unpack_('>I2', raw, off + 8)
-    end
+  for i = 1, count do
+    local k, alg, limit, window, param, hi, lo = unpack_('>BBdddI4I4', spec, (i - 1) * 34 + 1)
+    if k == ki then
+      local remaining, reset, retry, mark
 
-    if alg == 1 and window == param then
-      local b = floor(now / param)
-      local used = 0
-      if size == 16 then
-        local sb, units = unpack_('>dd', raw, off + 10)
-        if sb == b then used = units end
-      end
-      reset = (b + 1) * param
-      if used + cost <= limit then
-        remaining, retry = limit - used - cost, 0
-      else
-        remaining = max(limit - used, 0)
-        if cost > limit then retry = window else retry = reset - now end
-      end
-      record, expiry, mark = pack_('>I4I4I2dd', hi, lo, 16, b, used + cost), reset, b
-    elseif alg == 1 then
-      local n = window / param
-      local b = floor(now / param)
-      -- Slot width: room for four times the limit (charge = "after" may
-      -- overshoot it), and the largest count a slot holds.
-      local w, fmt, most = 2, '>I2', 65535
-      if limit > 1073741823 then
-        w, fmt, most = 8, '>d', 2 ^ 53
-      elseif limit > 16383 then
-        w, fmt, most = 4, '>I4', 4294967295
-      end
-      local len = n * w
-      -- The ring is `ring` from byte `r`: at first a part of the stored string.
-      local pos, total, nz, ring, r
-      if size == 24 + len then
-        pos, total, nz = unpack_('>ddd', raw, off + 10)
-        ring, r = raw, off + 34
-      else
-        pos, total, nz, ring, r = b, 0, -1, string.rep('\0', len), 1
-      end
-      -- Time only moves forward here: a clock behind the newest bucket counts
-      -- into the newest bucket.
-      if b < pos then b = pos end
-      if b > pos then
-        if b - pos >= n then
-          ring, r, total = string.rep('\0', len), 1, 0
+      if alg == 2 then
+        local key = KEYS[ki]
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+        local used = redis.call('ZCARD', key)
+        local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+        if #first > 0 then reset = tonumber(first[2]) + window else reset = now + window end
+        if used + cost <= limit then
+          remaining, retry = limit - used - cost, 0
         else
-          -- Empty the buckets that left the window: slots pos+1 .. b, at
-          -- most two runs of the ring.
-          for idx = pos + 1, b do
-            total = total - unpack_(fmt, ring, r + (idx % n) * w)
-          end
-          local from, k = (pos + 1) % n, b - pos
-          local head = math.min(k, n - from)
-          local rest = k - head
-          ring = string.rep('\0', rest * w) .. ring:sub(r + rest * w, r + from * w - 1)
-            .. string.rep('\0', head * w) .. ring:sub(r + (from + head) * w, r + len - 1)
-          r = 1
-        end
-        pos = b
-      end
-      if nz ~= -1 and nz <= b - n then nz = -1 end
-      if total + cost <= limit then
-        remaining, retry, reset = limit - total - cost, 0, (b + n) * param
-      else
-        remaining, retry = max(limit - total, 0), window
-        if nz ~= -1 then reset = (nz + n) * param else reset = (b + n) * param end
-        local need, freed = total + cost - limit, 0
-        for idx = b - n + 1, b do
-          freed = freed + unpack_(fmt, ring, r + (idx % n) * w)
-          if freed >= need then
-            retry = (idx + n) * param - now
-            break
+          remaining, retry = max(limit - used, 0), window
+          local need_ = used + cost - limit
+          if need_ <= used then
+            local e = redis.call('ZRANGE', key, need_ - 1, need_ - 1, 'WITHSCORES')
+            retry = tonumber(e[2]) + window - now
           end
         end
-      end
-      -- A slot saturates rather than wraps (only an absurd overshoot gets
-      -- there); the total stays the sum of the slots.
-      local at = r + (b % n) * w
-      local had = unpack_(fmt, ring, at)
-      local units = math.min(had + cost, most)
-      record = pack_('>I4I4I2ddd', hi, lo, 24 + len, pos, total + units - had, b)
-        .. ring:sub(r, at - 1) .. pack_(fmt, units) .. ring:sub(at + w, r + len - 1)
-      expiry, mark = (b + n) * param, b
-    else
-      local t = max(1, floor(window * 1000 / limit))
-      local cap = t * param
-      local now_us = now * 1000
-      local tat = now_us
-      if size == 8 then tat = max(now_us, unpack_('>d', raw, off + 10)) end
-      local new_tat = tat + cost * t
-      if new_tat - now_us <= cap then
-        remaining, reset, retry = floor((cap - (new_tat - now_us)) / t), math.ceil(new_tat / 1000), 0
+        mark, logs = nonce, true
       else
-        local wait = new_tat - cap - now_us
-        if cost * t > cap then wait = window * 1000 end
-        remaining = floor(max(cap - (tat - now_us), 0) / t)
-        reset, retry = math.ceil(tat / 1000), math.ceil(wait / 1000)
-      end
-      record, expiry, mark = pack_('>I4I4I2d', hi, lo, 8, new_tat), math.ceil(new_tat / 1000), 0
-    end
-    local parts = g[6]
-    parts[#parts + 1] = record
-    g[5] = max(g[5], expiry)
-  end
+        if raw == nil then
+          raw = redis.call('GET', KEYS[ki])
+          if raw and raw:byte(1) == 1 and #raw >= 9 then
+            stored = unpack_('>d', raw, 2)
+          else
+            raw, cursor = '', false
+          end
+          value = ''  -- (a piece of raw to start with would be copied again)
+        end
+        -- The record's format and payload size, known before it is read.
+        local fmt, want, n, w, cfmt, most
+        if alg == 1 and window == param then
+          fmt, want = '>I4I4I2dd', 16
+        elseif alg == 1 then
+          n = window / param
+          -- Slot width: room for four times the limit (charge = "after" may
+          -- overshoot it), and the largest count a slot holds.
+          w, cfmt, most = 2, '>I2', 65535
+          if limit > 1073741823 then
+            w, cfmt, most = 8, '>d', 2 ^ 53
+          elseif limit > 16383 then
+            w, cfmt, most = 4, '>I4', 4294967295
+          end
+          fmt, want = '>I4I4I2ddd', 24 + n * w
+        else
+          fmt, want = '>I4I4I2d', 8
+        end
+        -- Records are usually stored in the order calls ask for them: try the
+        -- next one first, and look records up by tag only when it is not that.
+        -- f1..f3: the payload's fields, nil when there is no such record.
+        local off, f1, f2, f3
+        if cursor and cursor + 9 + want <= #raw then
+          local thi, tlo, tsize
+          thi, tlo, tsize, f1, f2, f3 = unpack_(fmt, raw, cursor)
+          if thi == hi and tlo == lo and tsize == want then
+            off, cursor = cursor, cursor + 10 + want
+          else
+            f1 = nil
+          end
+        end
+        if off == nil and #raw > 9 then
+          cursor = false
+          if not index then index = scan(raw) end
+          off = index[hi * 4294967296 + lo]
+          if off and off + 9 + want <= #raw and unpack_('>I2', raw, off + 8) == want then
+            local _
+            _, _, _, f1, f2, f3 = unpack_(fmt, raw, off)
+          end
+        end
 
-  if retry > 0 then
-    allowed = false
-    if retry < 1 then retry = 1 end
+        local expiry
+        if alg == 1 and window == param then
+          local b = floor(now / param)
+          local used = 0
+          if f1 == b then used = f2 end
+          reset = (b + 1) * param
+          if used + cost <= limit then
+            remaining, retry = limit - used - cost, 0
+          else
+            remaining = max(limit - used, 0)
+            if cost > limit then retry = window else retry = reset - now end
+          end
+          value = value .. pack_('>I4I4I2dd', hi, lo, 16, b, used + cost)
+          expiry, mark = reset, b
+        elseif alg == 1 then
+          local b = floor(now / param)
+          local len = n * w
+          -- The ring is `ring` from byte `r`: at first a part of the stored string.
+          local pos, total, nz, ring, r
+          if f1 then
+            pos, total, nz, ring, r = f1, f2, f3, raw, off + 34
+          else
+            pos, total, nz, ring, r = b, 0, -1, string.rep('\0', len), 1
+          end
+          -- Time only moves forward here: a clock behind the newest bucket counts
+          -- into the newest bucket.
+          if b < pos then b = pos end
+          if b > pos then
+            if b - pos >= n then
+              ring, r, total = string.rep('\0', len), 1, 0
+            else
+              -- Empty the buckets that left the window: slots pos+1 .. b, at
+              -- most two runs of the ring.
+              for idx = pos + 1, b do
+                total = total - unpack_(cfmt, ring, r + (idx % n) * w)
+              end
+              local from, kk = (pos + 1) % n, b - pos
+              local head = math.min(kk, n - from)
+              local rest = kk - head
+              ring = string.rep('\0', rest * w) .. ring:sub(r + rest * w, r + from * w - 1)
+                .. string.rep('\0', head * w) .. ring:sub(r + (from + head) * w, r + len - 1)
+              r = 1
+            end
+            pos = b
+          end
+          if nz ~= -1 and nz <= b - n then nz = -1 end
+          if total + cost <= limit then
+            remaining, retry, reset = limit - total - cost, 0, (b + n) * param
+          else
+            remaining, retry = max(limit - total, 0), window
+            if nz ~= -1 then reset = (nz + n) * param else reset = (b + n) * param end
+            local short, freed = total + cost - limit, 0
+            for idx = b - n + 1, b do
+              freed = freed + unpack_(cfmt, ring, r + (idx % n) * w)
+              if freed >= short then
+                retry = (idx + n) * param - now
+                break
+              end
+            end
+          end
+          -- A slot saturates rather than wraps (only an absurd overshoot gets
+          -- there); the total stays the sum of the slots.
+          local at = r + (b % n) * w
+          local had = unpack_(cfmt, ring, at)
+          local units = math.min(had + cost, most)
+          value = value .. pack_('>I4I4I2ddd', hi, lo, 24 + len, pos, total + units - had, b)
+            .. ring:sub(r, at - 1) .. pack_(cfmt, units) .. ring:sub(at + w, r + len - 1)
+          expiry, mark = (b + n) * param, b
+        else
+          local t = max(1, floor(window * 1000 / limit))
+          local cap = t * param
+          local now_us = now * 1000
+          local tat = now_us
+          if f1 then tat = max(now_us, f1) end
+          local new_tat = tat + cost * t
+          if new_tat - now_us <= cap then
+            remaining, reset, retry = floor((cap - (new_tat - now_us)) / t), math.ceil(new_tat / 1000), 0
+          else
+            local wait = new_tat - cap - now_us
+            if cost * t > cap then wait = window * 1000 end
+            remaining = floor(max(cap - (tat - now_us), 0) / t)
+            reset, retry = math.ceil(tat / 1000), math.ceil(wait / 1000)
+          end
+          value = value .. pack_('>I4I4I2d', hi, lo, 8, new_tat)
+          expiry, mark = math.ceil(new_tat / 1000), 0
+        end
+        if expiry > need then need = expiry end
+      end
+
+      if retry > 0 then
+        allowed = false
+        if retry < 1 then retry = 1 end
+      end
+      local at = 2 + (i - 1) * 4
+      reply[at + 1], reply[at + 2], reply[at + 3], reply[at + 4] = remaining, reset, retry, mark
+    end
   end
-  local at = 2 + (i - 1) * 4
-  reply[at + 1], reply[at + 2], reply[at + 3], reply[at + 4] = remaining, reset, retry, mark
+  if value then
+    writes[#writes + 1] = {ki, raw, value, need, stored, cursor, index}
+  end
 end
 
 local charged = mode == 2 or (mode == 1 and allowed)
@@ -249,30 +268,28 @@ if charged then
   end
   -- Packed strings: this call's records, then the stored ones it did not
   -- rewrite. The TTL is set only when the string must live longer.
-  for ki, g in pairs(groups) do
-    local raw, stored_expiry = g[1], g[2]
-    local expiry = max(g[5], stored_expiry)
-    local parts = g[6]
-    parts[2] = pack_('>d', expiry)
+  for _, wr in ipairs(writes) do
+    local ki, raw, value, need, stored, cursor = wr[1], wr[2], wr[3], wr[4], wr[5], wr[6]
     -- Unless the call rewrote every stored record in order, keep the others.
-    if #raw > 9 and g[3] ~= #raw + 1 then
+    if #raw > 9 and cursor ~= #raw + 1 then
       local mine = {}
       for i = 1, count do
         local k, alg, _, _, _, hi, lo = unpack_('>BBdddI4I4', spec, (i - 1) * 34 + 1)
         if k == ki and alg ~= 2 then mine[hi * 4294967296 + lo] = true end
       end
-      for tag, off in pairs(g[4] or scan(raw)) do
+      for tag, off in pairs(wr[7] or scan(raw)) do
         if not mine[tag] then
-          parts[#parts + 1] = raw:sub(off, off + 9 + unpack_('>I2', raw, off + 8))
+          value = value .. raw:sub(off, off + 9 + unpack_('>I2', raw, off + 8))
         end
       end
     end
-    if expiry > stored_expiry then
+    if need > stored then
       -- A second of slack: with clock = "local", another instance's clock
       -- may be behind this one's.
-      redis.call('SET', KEYS[ki], table.concat(parts), 'PX', string.format('%d', expiry - now + 1000))
+      redis.call('SET', KEYS[ki], '\1' .. pack_('>d', need) .. value, 'PX',
+        string.format('%d', need - now + 1000))
     else
-      redis.call('SET', KEYS[ki], table.concat(parts), 'KEEPTTL')
+      redis.call('SET', KEYS[ki], raw:sub(1, 9) .. value, 'KEEPTTL')
     end
   end
 else
@@ -280,4 +297,7 @@ else
 end
 
 if allowed then reply[1] = 1 end
-return pack_('>Bd' .. string.rep('dddd', count), unpack(reply))
+-- The format's text for three counters is a constant; others are made.
+local fmt = '>Bddddddddddddd'
+if count ~= 3 then fmt = '>Bd' .. string.rep('dddd', count) end
+return pack_(fmt, unpack(reply, 1, 2 + 4 * count))
