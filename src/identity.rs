@@ -100,10 +100,17 @@ pub fn identify(
 /// The address as `Display` writes it; IPv4, the usual case, without the
 /// formatting machinery.
 fn ip_text(ip: IpAddr) -> Vec<u8> {
-    let IpAddr::V4(v4) = ip else {
-        return ip.to_string().into_bytes();
-    };
     let mut out = Vec::with_capacity(15);
+    push_ip_text(&mut out, ip);
+    out
+}
+
+/// Appends what [`ip_text`] returns.
+pub fn push_ip_text(out: &mut Vec<u8>, ip: IpAddr) {
+    let IpAddr::V4(v4) = ip else {
+        out.extend_from_slice(ip.to_string().as_bytes());
+        return;
+    };
     for (i, octet) in v4.octets().into_iter().enumerate() {
         if i > 0 {
             out.push(b'.');
@@ -116,7 +123,6 @@ fn ip_text(ip: IpAddr) -> Vec<u8> {
         }
         out.push(b'0' + octet % 10);
     }
-    out
 }
 
 /// All values of a header, joined with ", " as HTTP defines: a second copy of

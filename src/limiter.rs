@@ -273,10 +273,11 @@ fn counters(
     headers: &HeaderMap,
     query: Option<&str>,
 ) -> (Vec<Counter>, Vec<usize>) {
-    let mut counters: Vec<Counter> = Vec::new();
-    let mut limit_of = Vec::new();
+    let n = policy.limits.len();
+    let mut counters: Vec<Counter> = Vec::with_capacity(n);
+    let mut limit_of = Vec::with_capacity(n);
     // Limits usually share their keys: identify (and hash) each spec once.
-    let mut groups: Vec<(&KeySpec, Vec<u8>)> = Vec::new();
+    let mut groups: Vec<(&KeySpec, Vec<u8>)> = Vec::with_capacity(1);
     for (i, limit) in policy.limits.iter().enumerate() {
         for spec in &limit.keys {
             let group = match groups.iter().position(|(s, _)| *s == spec) {

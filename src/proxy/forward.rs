@@ -7,10 +7,10 @@
 //! authority in `Host` (as nginx's `proxy_pass` does) unless the upstream sets
 //! `pass_host = true`.
 
-use std::fmt::Write;
 use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
@@ -49,7 +49,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // request, and `Connection: keep-alive` alone in a response.
     let mut present = 0u16;
     for name in headers.keys() {
-        if let Some(i) = hop_index(name.as_str()) {
+        // Parsed names of standard headers compare as numbers, not text.
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
             present |= 1 << i;
         }
     }
@@ -147,17 +148,15 @@ pub fn rewrite_request(
         headers.insert(X_FORWARDED_HOST, host.clone());
     }
     // Every prior line, in order, then the peer.
-    let mut forwarded_for = String::new();
-    for prior in headers
-        .get_all(&X_FORWARDED_FOR)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-    {
-        forwarded_for.push_str(prior);
-        forwarded_for.push_str(", ");
+    let mut forwarded_for = Vec::with_capacity(16);
+    for prior in headers.get_all(&X_FORWARDED_FOR) {
+        if prior.to_str().is_ok() {
+            forwarded_for.extend_from_slice(prior.as_bytes());
+            forwarded_for.extend_from_slice(b", ");
+        }
     }
-    let _ = write!(forwarded_for, "{}", peer.to_canonical());
-    if let Ok(v) = HeaderValue::from_str(&forwarded_for) {
+    crate::identity::push_ip_text(&mut forwarded_for, peer.to_canonical());
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(forwarded_for)) {
         headers.insert(X_FORWARDED_FOR, v);
     }
     headers.insert(
