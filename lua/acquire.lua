@@ -171,6 +171,8 @@ for ki = 1, #KEYS do
           -- Time only moves forward here: a clock behind the newest bucket counts
           -- into the newest bucket.
           if b < pos then b = pos end
+          -- stale: bucket b's slot still holds the count of bucket b - n.
+          local stale = false
           if b > pos then
             if b - pos >= n then
               ring, r, total = string.rep('\0', len), 1, 0
@@ -180,12 +182,18 @@ for ki = 1, #KEYS do
               for idx = pos + 1, b do
                 total = total - unpack_(cfmt, ring, r + (idx % n) * w)
               end
-              local from, kk = (pos + 1) % n, b - pos
-              local head = math.min(kk, n - from)
-              local rest = kk - head
-              ring = string.rep('\0', rest * w) .. ring:sub(r + rest * w, r + from * w - 1)
-                .. string.rep('\0', head * w) .. ring:sub(r + (from + head) * w, r + len - 1)
-              r = 1
+              if b - pos == 1 then
+                -- One bucket on (the usual step): its slot is the one this
+                -- call writes, so the ring is not copied to empty it.
+                stale = true
+              else
+                local from, kk = (pos + 1) % n, b - pos
+                local head = math.min(kk, n - from)
+                local rest = kk - head
+                ring = string.rep('\0', rest * w) .. ring:sub(r + rest * w, r + from * w - 1)
+                  .. string.rep('\0', head * w) .. ring:sub(r + (from + head) * w, r + len - 1)
+                r = 1
+              end
             end
             pos = b
           end
@@ -197,7 +205,7 @@ for ki = 1, #KEYS do
             if nz ~= -1 then reset = (nz + n) * param else reset = (b + n) * param end
             local short, freed = total + cost - limit, 0
             for idx = b - n + 1, b do
-              freed = freed + unpack_(cfmt, ring, r + (idx % n) * w)
+              if idx < b or not stale then freed = freed + unpack_(cfmt, ring, r + (idx % n) * w) end
               if freed >= short then
                 retry = (idx + n) * param - now
                 break
@@ -207,7 +215,8 @@ for ki = 1, #KEYS do
           -- A slot saturates rather than wraps (only an absurd overshoot gets
           -- there); the total stays the sum of the slots.
           local at = r + (b % n) * w
-          local had = unpack_(cfmt, ring, at)
+          local had = 0
+          if not stale then had = unpack_(cfmt, ring, at) end
           local units = math.min(had + cost, most)
           value = value .. pack_('>I4I4I2ddd', hi, lo, 24 + len, pos, total + units - had, b)
             .. ring:sub(r, at - 1) .. pack_(cfmt, units) .. ring:sub(at + w, r + len - 1)
@@ -286,8 +295,7 @@ if charged then
     if need > stored then
       -- A second of slack: with clock = "local", another instance's clock
       -- may be behind this one's.
-      redis.call('SET', KEYS[ki], '\1' .. pack_('>d', need) .. value, 'PX',
-        string.format('%d', need - now + 1000))
+      redis.call('SET', KEYS[ki], '\1' .. pack_('>d', need) .. value, 'PX', need - now + 1000)
     else
       redis.call('SET', KEYS[ki], raw:sub(1, 9) .. value, 'KEEPTTL')
     end
