@@ -14,6 +14,7 @@ use tokio::net::TcpListener;
 
 use crate::clock::Clock;
 use crate::config::{Backend, Config};
+use crate::idle::{self, Idle, Tracked};
 use crate::limiter::Limiter;
 use crate::proxy::Proxy;
 use crate::store::Store;
@@ -136,20 +137,24 @@ impl Server {
                         }
                     };
                     let _ = stream.set_nodelay(true);
-                    let proxy = proxy.clone();
-                    let service = service_fn(move |req| {
-                        let proxy = proxy.clone();
-                        async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
-                    });
+                    let limit = proxy.state().config.server.header_timeout;
+                    let idle = Idle::new();
+                    let service = {
+                        let (proxy, idle) = (proxy.clone(), idle.clone());
+                        service_fn(move |req| {
+                            let (proxy, idle) = (proxy.clone(), idle.clone());
+                            async move {
+                                let request = idle.begin();
+                                let resp = proxy.handle(req, peer).await;
+                                Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
+                            }
+                        })
+                    };
                     match &tls {
                         None => {
                             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                             let conn = graceful.watch(conn.into_owned());
-                            tokio::spawn(async move {
-                                if let Err(e) = conn.await {
-                                    tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
-                                }
-                            });
+                            idle::spawn(conn, idle, limit, peer);
                         }
                         Some(acceptor) => {
                             // The handshake runs in the connection's own task, so a
@@ -165,9 +170,8 @@ impl Server {
                                     Err(_) => return,
                                 };
                                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                                if let Err(e) = watcher.watch(conn.into_owned()).await {
-                                    tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
-                                }
+                                let conn = watcher.watch(conn.into_owned());
+                                idle::spawn(conn, idle, limit, peer);
                             });
                         }
                     }
@@ -209,7 +213,8 @@ fn connection_builder(config: &Config) -> auto::Builder<TokioExecutor> {
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30))
+        // server.header_timeout is kept by crate::idle, without a timer per request.
+        .header_read_timeout(None::<Duration>)
         .max_buf_size((max + 16 * 1024).max(8192));
     builder
         .http2()

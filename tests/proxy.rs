@@ -414,3 +414,54 @@ async fn upstream_connections_are_pooled_and_reused() {
     );
     assert_eq!(up.hits(), 25);
 }
+
+#[tokio::test]
+async fn connections_without_a_request_close_after_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&format!(
+        "[server]\nheader_timeout = \"200ms\"\nupstream_timeout = \"5s\"\n\n[upstreams.api]\nurl = \"{}\"\n\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n",
+        up.url()
+    ))
+    .await;
+    // Reads until the server closes the connection; returns what came and when.
+    async fn until_closed(s: &mut tokio::net::TcpStream) -> (String, Duration) {
+        let started = Instant::now();
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+        assert!(read.is_ok(), "still open after 5 s");
+        (
+            String::from_utf8_lossy(&out).into_owned(),
+            started.elapsed(),
+        )
+    }
+
+    // A head that never ends.
+    let mut slow = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    slow.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n")
+        .await
+        .unwrap();
+    let (got, took) = until_closed(&mut slow).await;
+    assert!(got.is_empty(), "{got}");
+    assert!(took >= Duration::from_millis(150), "closed after {took:?}");
+
+    // A kept-alive connection after its response: closed once idle.
+    let mut idle = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    idle.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, took) = until_closed(&mut idle).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(took >= Duration::from_millis(150), "closed after {took:?}");
+
+    // A request in flight for longer than the timeout is not cut short, and
+    // its connection stays usable.
+    let mut busy = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    busy.write_all(b"GET /slow/600 HTTP/1.1\r\nhost: a\r\n\r\nGET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let (got, _) = until_closed(&mut busy).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("slow"), "{got}");
+    assert_eq!(got.matches("HTTP/1.1 200").count(), 2, "{got}");
+}

@@ -185,6 +185,7 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         upstream_timeout: Duration::from_secs(30),
         max_header_bytes: 98_304,
         shutdown_timeout: Duration::from_secs(10),
+        header_timeout: Duration::from_secs(30),
         tls: None,
     };
     if let Some(v) = &raw.listen {
@@ -224,6 +225,10 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
     if let Some(v) = &raw.shutdown_timeout {
         s.shutdown_timeout =
             duration_value(d, "server.shutdown_timeout", v).unwrap_or(s.shutdown_timeout);
+    }
+    if let Some(v) = &raw.header_timeout {
+        s.header_timeout =
+            duration_value(d, "server.header_timeout", v).unwrap_or(s.header_timeout);
     }
     if let Some(v) = &raw.max_header_bytes {
         match positive(d, "server.max_header_bytes", v) {

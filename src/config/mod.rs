@@ -55,6 +55,9 @@ pub struct ServerConfig {
     pub upstream_timeout: Duration,
     pub max_header_bytes: usize,
     pub shutdown_timeout: Duration,
+    /// A client connection with no request in flight is closed when no
+    /// request head has arrived for this long.
+    pub header_timeout: Duration,
     pub tls: Option<TlsFiles>,
 }
 

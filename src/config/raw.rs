@@ -35,6 +35,7 @@ pub struct RawServer {
     pub upstream_timeout: Option<Spanned<String>>,
     pub max_header_bytes: Option<Spanned<i64>>,
     pub shutdown_timeout: Option<Spanned<String>>,
+    pub header_timeout: Option<Spanned<String>>,
     pub tls: Option<Spanned<RawTls>>,
 }
 
