@@ -108,7 +108,6 @@ struct Boot {
 
 /// What the phases of one request learn, for the later phases and the log.
 struct RequestCtx {
-    started: Instant,
     route: Option<Arc<str>>,
     decision: &'static str,
     upstream_time: Option<Duration>,
@@ -213,15 +212,19 @@ impl Proxy {
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let state = self.state.load_full();
         let mut ctx = RequestCtx {
-            started: Instant::now(),
             route: None,
             decision: "none",
             upstream_time: None,
         };
         // Kept only when the access log is on (it usually is not under load
         // tests). The log never shows the query: it often carries credentials.
-        let logged = tracing::enabled!(target: "sluice::access", tracing::Level::INFO)
-            .then(|| (req.method().clone(), req.uri().path().to_string()));
+        let logged = tracing::enabled!(target: "sluice::access", tracing::Level::INFO).then(|| {
+            (
+                Instant::now(),
+                req.method().clone(),
+                req.uri().path().to_string(),
+            )
+        });
         let resp = match self.phases(&state, req, peer, &mut ctx).await {
             Ok(resp) => resp,
             Err(e) => e.response(),
@@ -233,7 +236,7 @@ impl Proxy {
                 status: resp.status().as_u16(),
             })
             .inc();
-        let Some((method, path)) = logged else {
+        let Some((started, method, path)) = logged else {
             return resp;
         };
         tracing::info!(
@@ -244,7 +247,7 @@ impl Proxy {
             status = resp.status().as_u16(),
             decision = ctx.decision,
             upstream_ms = ctx.upstream_time.map(millis),
-            total_ms = millis(ctx.started.elapsed()),
+            total_ms = millis(started.elapsed()),
         );
         resp
     }
@@ -408,9 +411,10 @@ impl Proxy {
             upgrade.as_ref(),
         )
         .map_err(ProxyError::BadRequest)?;
-        let sent = Instant::now();
+        // One clock read for the deadline and the histogram.
+        let sent = tokio::time::Instant::now();
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
-        let result = tokio::time::timeout(timeout, client.request(server, req)).await;
+        let result = tokio::time::timeout_at(sent + timeout, client.request(server, req)).await;
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
         self.metrics
