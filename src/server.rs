@@ -142,6 +142,8 @@ impl Server {
                     let service = {
                         let (proxy, idle) = (proxy.clone(), idle.clone());
                         service_fn(move |req| {
+                            // The request begins inside the future: begun out
+                            // here, it made hyper copy the (4 KB) future once more.
                             let (proxy, idle) = (proxy.clone(), idle.clone());
                             async move {
                                 let request = idle.begin();

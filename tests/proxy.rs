@@ -454,14 +454,16 @@ async fn connections_without_a_request_close_after_header_timeout() {
     assert!(got.starts_with("HTTP/1.1 200"), "{got}");
     assert!(took >= Duration::from_millis(150), "closed after {took:?}");
 
-    // A request in flight for longer than the timeout is not cut short, and
-    // its connection stays usable.
+    // Requests in flight for longer than the timeout, waiting for the
+    // upstream's head or for the rest of its body, are not cut short, and
+    // their connection stays usable.
     let mut busy = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
-    busy.write_all(b"GET /slow/600 HTTP/1.1\r\nhost: a\r\n\r\nGET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n")
+    busy.write_all(b"GET /slow/600 HTTP/1.1\r\nhost: a\r\n\r\nGET /drip/600 HTTP/1.1\r\nhost: a\r\n\r\nGET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n")
         .await
         .unwrap();
     let (got, _) = until_closed(&mut busy).await;
     assert!(got.starts_with("HTTP/1.1 200"), "{got}");
     assert!(got.contains("slow"), "{got}");
-    assert_eq!(got.matches("HTTP/1.1 200").count(), 2, "{got}");
+    assert!(got.contains("2\r\ndr\r\n2\r\nip\r\n0\r\n"), "{got}");
+    assert_eq!(got.matches("HTTP/1.1 200").count(), 3, "{got}");
 }

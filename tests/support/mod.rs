@@ -121,6 +121,21 @@ async fn upstream_answer(
         let n: u64 = n.parse().unwrap_or(0);
         return Ok(Response::new(chunked_body(n)));
     }
+    if let Some(ms) = path.strip_prefix("/drip/") {
+        // "drip" in two chunks, `ms` apart: a response body that takes time.
+        let ms: u64 = ms.parse().unwrap_or(0);
+        let stream = futures_util::stream::unfold(0, move |i| async move {
+            match i {
+                0 => Some((Ok::<_, hyper::Error>(Frame::data(Bytes::from("dr"))), 1)),
+                1 => {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    Some((Ok(Frame::data(Bytes::from("ip"))), 2))
+                }
+                _ => None,
+            }
+        });
+        return Ok(Response::new(StreamBody::new(stream).boxed()));
+    }
     if path == "/upload" {
         let mut body = req.into_body();
         let mut n = 0u64;
