@@ -57,7 +57,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if present == 0 {
         return;
     }
-    if present & 1 != 0 {
+    // `Connection: keep-alive` or `close`, the usual values, name no header.
+    let usual = |v: &HeaderValue| {
+        let v = v.as_bytes();
+        v.eq_ignore_ascii_case(b"keep-alive") || v.eq_ignore_ascii_case(b"close")
+    };
+    if present & 1 != 0 && !headers.get_all(header::CONNECTION).iter().all(usual) {
         // Names `Connection` lists besides the standard ones (and `close`).
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
@@ -196,6 +201,15 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
+
+        // The usual response: `Connection` names nothing else, and goes.
+        let mut usual = HeaderMap::new();
+        usual.insert(header::CONNECTION, HeaderValue::from_static("Keep-Alive"));
+        usual.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        usual.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut usual);
+        assert_eq!(usual.len(), 1, "{usual:?}");
+        assert!(usual.contains_key("x-kept"));
 
         // Nothing to remove: nothing changes.
         let mut plain = HeaderMap::new();
