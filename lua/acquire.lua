@@ -31,7 +31,9 @@
 -- record needs. Bucket index = floor(now / precision). A sliding window keeps
 -- a running total, so a decision reads and writes only the buckets it needs.
 -- The same definitions are in src/store/memory.rs and refund.lua; keep them in
--- step. Written for speed: no table per counter, one string per record.
+-- step. Written for speed (README, Cost): a key's state in locals, no table
+-- per counter or key, no closure over the script's locals, strings joined
+-- with `..` (table.concat and struct.pack copy byte by byte).
 
 local unpack_, pack_, floor, max = struct.unpack, struct.pack, math.floor, math.max
 
