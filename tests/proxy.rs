@@ -436,6 +436,28 @@ async fn connections_without_a_request_close_after_header_timeout() {
         )
     }
 
+    // An upgraded connection (a tunnel) is no longer HTTP: it must outlive
+    // the timeout. It is used again once the checks below have waited it out.
+    let mut tunnel = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    tunnel
+        .write_all(
+            b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        tunnel.read_exact(&mut byte).await.unwrap();
+        head.push(byte[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    let tunnel_opened = Instant::now();
+
     // A head that never ends.
     let mut slow = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
     slow.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n")
@@ -466,4 +488,10 @@ async fn connections_without_a_request_close_after_header_timeout() {
     assert!(got.contains("slow"), "{got}");
     assert!(got.contains("2\r\ndr\r\n2\r\nip\r\n0\r\n"), "{got}");
     assert_eq!(got.matches("HTTP/1.1 200").count(), 3, "{got}");
+
+    assert!(tunnel_opened.elapsed() >= Duration::from_millis(400));
+    tunnel.write_all(b"still there").await.unwrap();
+    let mut back = [0u8; 11];
+    tunnel.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"still there");
 }
