@@ -321,11 +321,11 @@ async fn reload_swaps_routes_keeps_counters_and_refuses_bad_files() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-#[tokio::test]
-async fn upgrade_requests_pass_through_both_ways() {
+/// Asks the test upstream for its `echo` upgrade; returns the connection and
+/// the response head, read byte by byte so nothing after it is consumed.
+async fn open_echo_tunnel(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (up, sluice) = setup().await;
-    let mut conn = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     conn.write_all(
         b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
     )
@@ -337,7 +337,15 @@ async fn upgrade_requests_pass_through_both_ways() {
         conn.read_exact(&mut byte).await.unwrap();
         head.push(byte[0]);
     }
-    let head = String::from_utf8(head).unwrap().to_ascii_lowercase();
+    (conn, String::from_utf8(head).unwrap())
+}
+
+#[tokio::test]
+async fn upgrade_requests_pass_through_both_ways() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (up, sluice) = setup().await;
+    let (mut conn, head) = open_echo_tunnel(sluice.addr).await;
+    let head = head.to_ascii_lowercase();
     assert!(head.starts_with("http/1.1 101"), "{head}");
     assert!(head.contains("upgrade: echo"), "{head}");
     for message in [&b"hello"[..], b"through the proxy"] {
@@ -438,24 +446,8 @@ async fn connections_without_a_request_close_after_header_timeout() {
 
     // An upgraded connection (a tunnel) is no longer HTTP: it must outlive
     // the timeout. It is used again once the checks below have waited it out.
-    let mut tunnel = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
-    tunnel
-        .write_all(
-            b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
-        )
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        let mut byte = [0u8; 1];
-        tunnel.read_exact(&mut byte).await.unwrap();
-        head.push(byte[0]);
-    }
-    assert!(
-        head.starts_with(b"HTTP/1.1 101"),
-        "{}",
-        String::from_utf8_lossy(&head)
-    );
+    let (mut tunnel, head) = open_echo_tunnel(sluice.addr).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     let tunnel_opened = Instant::now();
 
     // A head that never ends.
