@@ -167,15 +167,18 @@ impl Limiter {
         proxy_error: bool,
     ) -> Result<bool, StoreError> {
         let free = proxy_error || ticket.policy.refund.contains(&status);
-        let now = self.clock.now_ms();
+        // The clock is read only when there is something to do (the usual
+        // request has nothing to settle).
         match ticket.policy.charge {
             Charge::Reserve if free => {
+                let now = self.clock.now_ms();
                 self.store
                     .refund(&ticket.counters, &ticket.marks, ticket.cost, now)
                     .await?;
                 Ok(true)
             }
             Charge::After if !free => {
+                let now = self.clock.now_ms();
                 self.store
                     .charge(&ticket.counters, ticket.cost, now)
                     .await?;

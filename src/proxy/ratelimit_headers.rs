@@ -8,6 +8,9 @@
 //! Resets are rounded up to whole seconds: a fixed window of a second or more
 //! ends on a whole second, so every response of one window shows the same value.
 
+use std::cell::RefCell;
+use std::thread::LocalKey;
+
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue};
 
@@ -21,12 +24,31 @@ const RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 const POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+thread_local! {
+    // The limit, and the reset of a window, are the same for many responses
+    // in a row: each is formatted once and then shared (a clone of a
+    // HeaderValue counts a reference; formatting allocates).
+    static LAST_LIMIT: RefCell<(u64, HeaderValue)> = RefCell::new((0, HeaderValue::from_static("0")));
+    static LAST_RESET: RefCell<(u64, HeaderValue)> = RefCell::new((0, HeaderValue::from_static("0")));
+}
+
+/// `n` as a header value, from `last` when it holds the same number.
+fn number(last: &'static LocalKey<RefCell<(u64, HeaderValue)>>, n: u64) -> HeaderValue {
+    last.with(|last| {
+        let mut last = last.borrow_mut();
+        if last.0 != n {
+            *last = (n, HeaderValue::from(n));
+        }
+        last.1.clone()
+    })
+}
+
 pub fn write(headers: &mut HeaderMap, style: HeaderStyle, policy: &Policy, b: &Binding) {
     if matches!(style, HeaderStyle::XRateLimit | HeaderStyle::Both) {
         headers.reserve(3);
-        headers.insert(LIMIT, HeaderValue::from(b.limit));
+        headers.insert(LIMIT, number(&LAST_LIMIT, b.limit));
         headers.insert(REMAINING, HeaderValue::from(b.remaining));
-        headers.insert(RESET, HeaderValue::from(b.reset_ms.div_ceil(1000)));
+        headers.insert(RESET, number(&LAST_RESET, b.reset_ms.div_ceil(1000)));
     }
     if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
         let name = |i: usize| item_name(policy, i);

@@ -215,30 +215,27 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
         }
         (Algorithm::Sliding { precision }, state) => {
             let (p, n, b) = buckets(c, precision.as_millis() as u64, now);
-            let live: Vec<(u64, u64)> = match state {
-                // A bucket refunded to zero counts for nothing, not even the reset.
-                Some(State::Sliding { buckets }) => buckets
-                    .iter()
-                    .copied()
-                    .filter(|&(i, u)| i + n > b && u > 0)
-                    .collect(),
-                _ => Vec::new(),
+            let none = VecDeque::new();
+            let all = match state {
+                Some(State::Sliding { buckets }) => buckets,
+                _ => &none,
             };
-            let used: u64 = live.iter().map(|(_, u)| u).sum();
+            // A bucket refunded to zero counts for nothing, not even the
+            // reset. (Filtered in place, twice at most: collecting them cost an
+            // allocation per decision.)
+            let live = || all.iter().copied().filter(|&(i, u)| i + n > b && u > 0);
+            let used: u64 = live().map(|(_, u)| u).sum();
             // Reset: when every unit counted now has left the window. A
             // request that passes lands in the current bucket; one that is
             // refused leaves the newest bucket holding units as the last.
             let reset_ms = if used + cost <= c.limit {
                 (b + n) * p
             } else {
-                (live.last().map_or(b, |(i, _)| *i) + n) * p
+                (live().next_back().map_or(b, |(i, _)| i) + n) * p
             };
             verdict(c.limit, used, cost, reset_ms, || {
-                free_after(
-                    live.iter().map(|&(i, u)| ((i + n) * p, u)),
-                    used + cost - c.limit,
-                )
-                .map_or(c.window_ms, |t| t - now)
+                free_after(live().map(|(i, u)| ((i + n) * p, u)), used + cost - c.limit)
+                    .map_or(c.window_ms, |t| t - now)
             })
         }
         (Algorithm::Log, state) => {
