@@ -28,8 +28,8 @@ thread_local! {
     // The limit, and the reset of a window, are the same for many responses
     // in a row: each is formatted once and then shared (a clone of a
     // HeaderValue counts a reference; formatting allocates).
-    static LAST_LIMIT: RefCell<(u64, HeaderValue)> = RefCell::new((0, HeaderValue::from_static("0")));
-    static LAST_RESET: RefCell<(u64, HeaderValue)> = RefCell::new((0, HeaderValue::from_static("0")));
+    static LAST_LIMIT: RefCell<(u64, HeaderValue)> = const { RefCell::new((0, HeaderValue::from_static("0"))) };
+    static LAST_RESET: RefCell<(u64, HeaderValue)> = const { RefCell::new((0, HeaderValue::from_static("0"))) };
 }
 
 /// `n` as a header value, from `last` when it holds the same number.
