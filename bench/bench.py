@@ -56,6 +56,24 @@ def need(tool, package):
     subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", package], check=True, env=env)
 
 
+def need_redis_module():
+    """bench/redis_cost.py needs the Python redis client: pip where this Python
+    has a usable pip (a venv, pyenv), else Debian's python3-redis (Debian's
+    own Python has no pip, and refuses system-wide pip installs)."""
+    probe = [sys.executable, "-c", "import redis"]
+    if subprocess.run(probe, capture_output=True).returncode == 0:
+        return
+    print("--- installing the Python redis client", flush=True)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "redis"], capture_output=True)
+    if pip.returncode != 0:
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "python3-redis"],
+                       check=True, env=env)
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        sys.exit(f"bench: {sys.executable} cannot import redis; install it (pip install redis)")
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -204,10 +222,7 @@ def main():
     need("wrk", "wrk")
     need("nginx", "nginx-light")
     need("redis-server", "redis-server")
-    try:
-        import redis  # noqa: F401  (bench/redis_cost.py needs it)
-    except ImportError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "redis"], check=True)
+    need_redis_module()
     print("--- building sluice (release)", flush=True)
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     sluice = os.path.join(ROOT, "target", "release", "sluice")
