@@ -47,13 +47,18 @@ POLICY = """limits = [
 ]"""
 
 
-def need(tool, package):
+def need(tool, *packages):
+    """Installs the first of `packages` Debian has, unless `tool` is on PATH."""
     if shutil.which(tool):
         return
-    print(f"--- installing {package}", flush=True)
+    print(f"--- installing {packages[0]}", flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", package], check=True, env=env)
+    for package in packages:
+        done = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", package], env=env)
+        if done.returncode == 0:
+            return
+    sys.exit(f"bench: could not install {tool} (tried {', '.join(packages)})")
 
 
 def need_redis_module():
@@ -220,7 +225,7 @@ def main():
     conns_list = [50] if args.quick else [50, 200]
 
     need("wrk", "wrk")
-    need("nginx", "nginx-light")
+    need("nginx", "nginx-light", "nginx")
     need("redis-server", "redis-server")
     need_redis_module()
     print("--- building sluice (release)", flush=True)
