@@ -244,10 +244,7 @@ impl RedisStore {
     /// The Redis key a counter lives in: its identity's and policy's packed
     /// string, or for a log its own sorted set.
     fn redis_key(&self, c: &Counter) -> Vec<u8> {
-        let part = match c.algorithm {
-            Algorithm::Log => &c.key[..],
-            _ => &c.key[..c.group_len],
-        };
+        let part = key_part(c);
         let mut key = Vec::with_capacity(self.prefix.len() + part.len());
         key.extend_from_slice(self.prefix.as_bytes());
         key.extend_from_slice(part);
@@ -261,14 +258,16 @@ impl RedisStore {
         inv: &mut ScriptInvocation<'_>,
         counters: &[Counter],
     ) -> Result<Vec<u8>, StoreError> {
-        let mut keys: Vec<Vec<u8>> = Vec::with_capacity(counters.len());
+        // Compared without the prefix, so that a key is built only once.
+        let mut keys: Vec<&[u8]> = Vec::with_capacity(counters.len());
         let mut index = Vec::with_capacity(counters.len());
         for c in counters {
-            let key = self.redis_key(c);
-            let i = match keys.iter().position(|k| *k == key) {
+            let part = key_part(c);
+            let i = match keys.iter().position(|k| *k == part) {
                 Some(i) => i + 1,
                 None => {
-                    keys.push(key);
+                    inv.key(self.redis_key(c));
+                    keys.push(part);
                     keys.len()
                 }
             };
@@ -276,9 +275,6 @@ impl RedisStore {
             index.push(u8::try_from(i).map_err(|_| {
                 StoreError::Unavailable("more than 255 Redis keys in one decision".into())
             })?);
-        }
-        for k in keys {
-            inv.key(k);
         }
         Ok(index)
     }
@@ -570,6 +566,15 @@ fn random_seed() -> u64 {
     );
     h.write_u32(std::process::id());
     h.finish()
+}
+
+/// The part of a counter's key that names its Redis key (before the prefix):
+/// the identity's and policy's packed string, or for a log its own sorted set.
+fn key_part(c: &Counter) -> &[u8] {
+    match c.algorithm {
+        Algorithm::Log => &c.key[..],
+        _ => &c.key[..c.group_len],
+    }
 }
 
 #[cfg(test)]
