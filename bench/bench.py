@@ -214,6 +214,39 @@ def svg_plot(rows, path):
         f.write("\n".join(out))
 
 
+def targets(rows, extra, cost):
+    """The performance targets, each with its figure from this run: met or not."""
+    row = {(r["setup"], r["conns"]): r for r in rows}
+    out = ["targets (each a ratio in this run, or a figure of it):"]
+
+    def check(ok, text):
+        out.append(f"  [{'met' if ok else 'NOT met'}] {text}")
+
+    for c in sorted({r["conns"] for r in rows}):
+        s, mem, red = row[("sluice", c)], row[("sluice-mem", c)], row[("sluice-redis", c)]
+        check(s["cpu_x"] <= 0.85, f"-c{c} no policy: CPU per request {s['cpu_x']:.2f}x nginx's (<= 0.85)")
+        check(s["rps_x"] >= 1.0, f"-c{c} no policy: req/s {s['rps_x']:.2f}x nginx's (>= 1)")
+        check(s["p99_x"] <= 1.0, f"-c{c} no policy: p99 {s['p99_x']:.2f}x nginx's (<= 1)")
+        x = red["cpu_us"] / s["cpu_us"]
+        check(x <= 1.2, f"-c{c} Redis policy: CPU per request {x:.2f}x no policy (<= 1.2)")
+        check(abs(red["redis_calls"] - 1) < 0.01, f"-c{c} Redis policy: {red['redis_calls']:.2f} Redis calls per request (1)")
+        x = mem["cpu_us"] / s["cpu_us"]
+        check(x <= 1.05, f"-c{c} memory store: CPU per request {x:.2f}x no policy (<= 1.05)")
+    rej, allowed = extra["mostly rejected"], row[("sluice-redis", min(r["conns"] for r in rows))]
+    check(rej["cpu_us"] < allowed["cpu_us"] and rej["redis_calls"] == 0,
+          f"rejected: {rej['cpu_us']:.1f} us per request vs {allowed['cpu_us']:.1f} allowed, "
+          f"{rej['redis_calls']:.2f} Redis calls (cheaper, 0)")
+    m = re.search(r"per decision .*?: ([\d.]+) us = ([\d.]+)x", cost)
+    if m:
+        us, x = float(m.group(1)), float(m.group(2))
+        check(us <= 10, f"Redis CPU per decision: {us:.2f} us (<= 10)")
+        check(x <= 1 / 3, f"Redis CPU per decision: {x:.2f}x the seed reference (<= a third)")
+    m = re.search(r"per identity .*?: (\d+) bytes", cost)
+    if m:
+        check(int(m.group(1)) <= 600, f"Redis memory per identity: {m.group(1)} bytes (<= 600)")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -363,8 +396,10 @@ upstream = "api"
         cost = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "redis_cost.py"), identities],
                               capture_output=True, text=True)
         print(cost.stdout + cost.stderr)
+        summary = targets(rows, extra, cost.stdout)
+        print(summary)
         with open(os.path.join(RESULTS, "table.txt"), "a") as f:
-            f.write("\n" + cost.stdout)
+            f.write("\n" + cost.stdout + "\n" + summary + "\n")
         print(f"\nwrote bench/results/table.txt, results.json and plot.svg")
     finally:
         procs.stop()

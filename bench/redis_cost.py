@@ -9,8 +9,10 @@ For the policy 10/1s + 120/1m + 240/1h (precision 1m), it reports:
 
 It drives lua/acquire.lua exactly as sluice does (same keys, same arguments, the
 local clock mode so that an hour of traffic can be replayed in seconds), and
-the same for bench/seed_reference.lua, the seed articles' hash layout, so that both
-figures are also given as a ratio to it, measured in the same run.
+the same for bench/seed_reference.lua, the seed articles' hash layout, each on
+its own redis-server, their timed minutes interleaved: both figures are also
+given as a ratio to the reference, which holds still when the machine's load
+moves the microseconds.
 
     python3 bench/redis_cost.py [IDENTITIES]      # needs redis-server and `pip install redis`
 """
@@ -73,35 +75,59 @@ def start_redis():
     return server, r
 
 
-def measure(script_file, identities, call):
-    """Replays an hour, one request per identity per minute, on a fresh
-    redis-server; returns (usec_per_call over the last minute, bytes per
-    identity). `call(script, pipe, i, ip, now_ms)` queues one decision."""
-    server, r = start_redis()
-    try:
-        script = r.register_script(open(script_file).read())
-        base = r.info("memory")["used_memory"]
-        start = 1_800_000_000_000
-        pipe_size = 500
-        for minute in range(60):
-            now = start + minute * 60000
-            pipe = r.pipeline(transaction=False)
-            for i in range(identities):
+class Replay:
+    """One script's hour of traffic on its own fresh redis-server: one request
+    per identity per minute. `call(script, pipe, i, ip, now_ms)` queues one
+    decision."""
+
+    def __init__(self, script_file, identities, call):
+        self.server, self.r = start_redis()
+        self.script = self.r.register_script(open(script_file).read())
+        self.identities, self.call = identities, call
+        self.base = self.r.info("memory")["used_memory"]
+
+    def chunks(self, minute, size):
+        """The minute's decisions, `size` identities at a time (a generator)."""
+        now = 1_800_000_000_000 + minute * 60000
+        for first in range(0, self.identities, size):
+            pipe = self.r.pipeline(transaction=False)
+            for i in range(first, min(first + size, self.identities)):
                 ip = "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
-                call(script, pipe, i, ip, now)
-                if (i + 1) % pipe_size == 0:
-                    # Refusals would make the reference cheaper than it is.
-                    assert all(x in (0, None) or isinstance(x, bytes) and x[:1] == b"\x01"
-                               for x in pipe.execute()), "a decision was refused"
-            pipe.execute()
-            if minute == 58:
-                r.config_resetstat()
-        usec = r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
-        used = r.info("memory")["used_memory"] - base
-        return usec, used // identities
-    finally:
-        server.terminate()
-        server.wait()
+                self.call(self.script, pipe, i, ip, now)
+            # A refusal would make either script look cheaper than it is.
+            assert all(x == 0 or isinstance(x, bytes) and x[:1] == b"\x01"
+                       for x in pipe.execute()), "a decision was refused"
+            yield
+
+    def usec_per_call(self):
+        return self.r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
+
+    def bytes_per_identity(self):
+        return (self.r.info("memory")["used_memory"] - self.base) // self.identities
+
+    def stop(self):
+        self.server.terminate()
+        self.server.wait()
+
+
+def measure(ours, ref):
+    """Fills both hours (60 live buckets per identity), then times three more
+    minutes of each, the two scripts' chunks interleaved so that both meet the
+    same machine (the usual neighbours make a lone figure drift by half)."""
+    for minute in range(59):
+        for replay in (ours, ref):
+            for _ in replay.chunks(minute, 500):
+                pass
+    for replay in (ours, ref):
+        replay.r.config_resetstat()
+    # Chunk sizes in proportion, so both end each minute together.
+    ref_size = max(1, 500 * ref.identities // ours.identities)
+    for minute in range(59, 62):
+        theirs = ref.chunks(minute, ref_size)
+        for _ in ours.chunks(minute, 500):
+            next(theirs, None)
+        for _ in theirs:
+            pass
 
 
 def sluice_call(script, pipe, i, ip, now):
@@ -117,11 +143,18 @@ def seed_call(script, pipe, i, ip, now):
 
 
 def main():
-    usec, size = measure(os.path.join(ROOT, "lua", "acquire.lua"), IDENTITIES, sluice_call)
-    # The reference's cost per call and per identity does not grow with their
-    # number (each hash is small), so fewer identities keep the run short.
+    # The reference's cost per call and per identity does not grow with the
+    # number of identities (each hash is small), so fewer keep the run short.
     ref_ids = min(IDENTITIES, 10000)
-    ref_usec, ref_size = measure(os.path.join(ROOT, "bench", "seed_reference.lua"), ref_ids, seed_call)
+    ours = Replay(os.path.join(ROOT, "lua", "acquire.lua"), IDENTITIES, sluice_call)
+    ref = Replay(os.path.join(ROOT, "bench", "seed_reference.lua"), ref_ids, seed_call)
+    try:
+        measure(ours, ref)
+        usec, ref_usec = ours.usec_per_call(), ref.usec_per_call()
+        size, ref_size = ours.bytes_per_identity(), ref.bytes_per_identity()
+    finally:
+        ours.stop()
+        ref.stop()
     print("identities: %d (seed reference: %d)" % (IDENTITIES, ref_ids))
     print("redis CPU per decision (hour window full): %.2f us = %.2fx the seed reference (%.2f us)"
           % (usec, usec / ref_usec, ref_usec))
