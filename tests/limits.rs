@@ -101,6 +101,38 @@ async fn fixed_window_admits_limit_then_429_until_the_next_window() {
 }
 
 #[tokio::test]
+async fn other_spellings_of_a_limited_path_meet_its_policy() {
+    let up = Upstream::start().await;
+    let s = start(
+        &up,
+        "[policies.strict]\nlimits = [{ limit = 1, window = \"10s\" }]",
+        "[[routes]]\npath = \"/api/search\"\nupstream = \"api\"\npolicy = \"strict\"\n\n\
+         [[routes]]\npath = \"/\"\nupstream = \"api\"",
+        10_000,
+    )
+    .await;
+    let first = get(&s.url("/api/%73earch"), &[]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    // Matched in its normal form, forwarded as sent.
+    assert_eq!(first.json()["uri"], "/api/%73earch");
+    for p in [
+        "/api/search",
+        "//api/search",
+        "/x/../api/search",
+        "/api/./search?q=1",
+        "/api/%2e/search",
+        "/api/search/../search/more",
+    ] {
+        let r = get(&s.url(p), &[]).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{p}");
+    }
+    // Paths outside the route still reach the unlimited one.
+    for p in ["/api/searc", "/api/search/..", "/api/%2Fsearch"] {
+        assert_eq!(get(&s.url(p), &[]).await.status, StatusCode::OK, "{p}");
+    }
+}
+
+#[tokio::test]
 async fn all_limits_must_pass_and_a_rejection_charges_nothing() {
     let up = Upstream::start().await;
     let s = start(
