@@ -241,8 +241,7 @@ impl RedisStore {
         }
     }
 
-    /// The Redis key a counter lives in: its identity's and policy's packed
-    /// string, or for a log its own sorted set.
+    /// The Redis key a counter lives in: the prefix, then its [`key_part`].
     fn redis_key(&self, c: &Counter) -> Vec<u8> {
         let part = key_part(c);
         let mut key = Vec::with_capacity(self.prefix.len() + part.len());
