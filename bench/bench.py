@@ -50,18 +50,24 @@ POLICY = """limits = [
 ]"""
 
 
-def need(tool, *packages):
-    """Installs the first of `packages` Debian has, unless `tool` is on PATH."""
-    if shutil.which(tool):
-        return
-    print(f"--- installing {packages[0]}", flush=True)
+def apt_install(*packages):
+    """Installs the first of `packages` Debian has; says whether one was."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
     for package in packages:
         done = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", package], env=env)
         if done.returncode == 0:
-            return
-    sys.exit(f"bench: could not install {tool} (tried {', '.join(packages)})")
+            return True
+    return False
+
+
+def need(tool, *packages):
+    """Installs `tool` from the first of `packages` Debian has, unless it is on PATH."""
+    if shutil.which(tool):
+        return
+    print(f"--- installing {packages[0]}", flush=True)
+    if not apt_install(*packages):
+        sys.exit(f"bench: could not install {tool} (tried {', '.join(packages)})")
 
 
 def need_redis_module():
@@ -74,10 +80,7 @@ def need_redis_module():
     print("--- installing the Python redis client", flush=True)
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "redis"], capture_output=True)
     if pip.returncode != 0:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "python3-redis"],
-                       check=True, env=env)
+        apt_install("python3-redis")
     if subprocess.run(probe, capture_output=True).returncode != 0:
         sys.exit(f"bench: {sys.executable} cannot import redis; install it (pip install redis)")
 
