@@ -40,9 +40,10 @@ impl Router {
         let mut order: Vec<(usize, &Route)> = routes.iter().enumerate().collect();
         // Stable sort: equal specificity keeps file order.
         order.sort_by_key(|(i, r)| {
+            // Lengths of the normal form, which is what requests are matched to.
             let (exact, len) = match &r.path {
-                PathMatch::Exact(p) => (true, p.len()),
-                PathMatch::Prefix(p) => (false, p.len()),
+                PathMatch::Exact(p) => (true, normalize(p).len()),
+                PathMatch::Prefix(p) => (false, normalize(p).len()),
             };
             (
                 std::cmp::Reverse(r.host.is_some()),
@@ -301,5 +302,14 @@ mod tests {
         assert_eq!(find("/~user").as_deref(), Some("user"));
         assert_eq!(find("/%7euser").as_deref(), Some("user"));
         assert_eq!(find("/api/searc").as_deref(), Some("rest"));
+        // Longer means longer in the normal form.
+        let r = Router::new(&[
+            route("short", prefix("/x/../a/b"), None, None),
+            route("long", prefix("/a/b/c"), None, None),
+        ]);
+        let found = r
+            .find(&Method::GET, None, "/a/b/c/d")
+            .map(|r| r.name.to_string());
+        assert_eq!(found.as_deref(), Some("long"));
     }
 }
