@@ -113,7 +113,7 @@ class Replay:
 def measure(ours, ref):
     """Fills both hours (60 live buckets per identity), then times three more
     minutes of each, the two scripts' chunks interleaved so that both meet the
-    same machine (the usual neighbours make a lone figure drift by half)."""
+    same machine (the usual neighbours move a lone figure by a third or more)."""
     for minute in range(59):
         for replay in (ours, ref):
             for _ in replay.chunks(minute, 500):
