@@ -3,9 +3,12 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
 use support::*;
 
 async fn config(upstream: &str) -> String {
@@ -421,6 +424,80 @@ async fn upstream_connections_are_pooled_and_reused() {
         "the second burst reuses the pooled connections"
     );
     assert_eq!(up.hits(), 25);
+}
+
+/// An upstream that answers the first request of each connection and closes
+/// the connection, unanswered, when a second one arrives on it: an idle
+/// timeout running out just as a pooled connection is used. Returns its URL,
+/// and the connections and requests it has seen.
+async fn closing_upstream() -> (String, Arc<AtomicU64>, Arc<AtomicU64>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (conns, requests) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (c, r) = (conns.clone(), requests.clone());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            c.fetch_add(1, SeqCst);
+            let r = r.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                for n in 0.. {
+                    // One request head (these requests carry no body that matters).
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        let mut chunk = [0u8; 4096];
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                        }
+                    }
+                    buf.clear();
+                    r.fetch_add(1, SeqCst);
+                    if n > 0 {
+                        return;
+                    }
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if stream.write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, conns, requests)
+}
+
+#[tokio::test]
+async fn a_safe_request_lost_with_an_idle_pooled_connection_is_sent_again() {
+    let (url, conns, requests) = closing_upstream().await;
+    let s = Sluice::start(&format!(
+        "[upstreams.api]\nurl = \"{url}\"\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n"
+    ))
+    .await;
+    assert_eq!(get(&s.url("/a"), &[]).await.status, StatusCode::OK);
+    // Idle long enough to look like an idle timeout (REPLAY_AFTER_IDLE).
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let again = get(&s.url("/b"), &[]).await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(&again.body[..], b"ok");
+    // Sent on the pooled connection, lost, then sent on a new one.
+    assert_eq!((conns.load(SeqCst), requests.load(SeqCst)), (2, 3));
+
+    // A request with a body is not sent twice: the client hears of the loss.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let post = send(
+        &client(),
+        Request::post(s.url("/c"))
+            .body(
+                Full::new(bytes::Bytes::from("payload"))
+                    .map_err(|e| match e {})
+                    .boxed(),
+            )
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(post.status, StatusCode::BAD_GATEWAY);
+    assert_eq!((conns.load(SeqCst), requests.load(SeqCst)), (2, 4));
 }
 
 #[tokio::test]

@@ -14,7 +14,13 @@
 //!
 //! A pooled connection the upstream closed just as it was picked fails
 //! before the request is written; the request is then sent once more on a
-//! new connection, as hyper-util's client does.
+//! new connection, as hyper-util's client does. One the upstream closes just
+//! as the request is written (its idle timeout running out then) fails with
+//! no answer: a request that can safely be sent again (`GET`, `HEAD`,
+//! `OPTIONS`, `TRACE`, without a body, as Go's client and nginx judge it) is
+//! sent once more on a new connection, when its connection had been idle long
+//! enough for that to be the likely cause. Its head is kept for that only then:
+//! a busy connection is never idle that long, and the copy is not free.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -24,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::HeaderValue;
-use http::{Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
@@ -37,12 +43,15 @@ use crate::tls::TlsError;
 const MAX_IDLE: usize = 256;
 /// An idle connection older than this is closed rather than reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// A connection idle this long may be one the upstream is closing: a request
+/// sent on it that can be sent again is kept, in case.
+const REPLAY_AFTER_IDLE: Duration = Duration::from_millis(100);
 
 /// An upstream origin: TLS or not, and `host:port`.
 type Origin = (bool, HeaderValue);
 
 struct Idle {
-    sender: SendRequest<Incoming>,
+    sender: SendRequest<UpBody>,
     since: Instant,
 }
 
@@ -59,19 +68,21 @@ impl Pools {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The most recently used idle connection of `origin` that is still open.
-    fn checkout(&self, origin: &Origin) -> Option<SendRequest<Incoming>> {
+    /// The most recently used idle connection of `origin` that is still open,
+    /// and how long it was idle.
+    fn checkout(&self, origin: &Origin) -> Option<(SendRequest<UpBody>, Duration)> {
         let mut pools = self.lock();
         let stack = pools.get_mut(origin)?;
         while let Some(idle) = stack.pop() {
-            if !idle.sender.is_closed() && idle.since.elapsed() < IDLE_TIMEOUT {
-                return Some(idle.sender);
+            let idle_for = idle.since.elapsed();
+            if !idle.sender.is_closed() && idle_for < IDLE_TIMEOUT {
+                return Some((idle.sender, idle_for));
             }
         }
         None
     }
 
-    fn give_back(&self, origin: Origin, sender: SendRequest<Incoming>) {
+    fn give_back(&self, origin: Origin, sender: SendRequest<UpBody>) {
         if sender.is_closed() {
             return;
         }
@@ -127,27 +138,45 @@ impl UpstreamClient {
             server.scheme == http::uri::Scheme::HTTPS,
             server.host.clone(),
         );
-        let mut req = req;
+        let mut req = req.map(UpBody::Stream);
+        // Set once a request was resent: it goes on a new connection.
+        let mut fresh = false;
         loop {
-            let (mut sender, reused) = match self.pools.checkout(&origin) {
-                Some(sender) => (sender, true),
+            let pooled = if fresh {
+                None
+            } else {
+                self.pools.checkout(&origin)
+            };
+            let (mut sender, idle_for, reused) = match pooled {
+                Some((sender, idle_for)) => (sender, idle_for, true),
                 // Boxed: rare once the pool is warm, and its state is large.
-                None => (Box::pin(self.connect(server, origin.0)).await?, false),
+                None => {
+                    let sender = Box::pin(self.connect(server, origin.0)).await?;
+                    (sender, Duration::ZERO, false)
+                }
             };
             // A pooled connection may have been closed since it was checked.
             if reused && sender.ready().await.is_err() {
                 continue;
             }
+            let replay = (reused && idle_for >= REPLAY_AFTER_IDLE)
+                .then(|| replayable(&req))
+                .flatten();
             match sender.try_send_request(req).await {
                 Ok(resp) => {
                     let back = (resp.status() != StatusCode::SWITCHING_PROTOCOLS)
                         .then(|| (sender, Arc::clone(&self.pools), origin));
                     return Ok(resp.map(|body| PooledBody::new(body, back)));
                 }
-                Err(mut e) => match e.take_message() {
+                Err(mut e) => match (e.take_message(), replay) {
                     // Not sent: the connection was closed under it. A fresh
                     // one gets the request; a fresh one that fails is an error.
-                    Some(unsent) if reused => req = unsent,
+                    (Some(unsent), _) if reused => req = unsent,
+                    // Sent, and the connection closed without an answer.
+                    (None, Some(again)) if closed_unanswered(e.error()) => {
+                        req = again;
+                        fresh = true;
+                    }
                     _ => return Err(UpstreamError::Http(e.into_error())),
                 },
             }
@@ -159,7 +188,7 @@ impl UpstreamClient {
         &self,
         server: &UpstreamServer,
         tls: bool,
-    ) -> Result<SendRequest<Incoming>, UpstreamError> {
+    ) -> Result<SendRequest<UpBody>, UpstreamError> {
         let failed = |reason: String| UpstreamError::Connect {
             server: server.to_string(),
             reason,
@@ -206,14 +235,11 @@ impl UpstreamClient {
 /// read to the end.
 pub struct PooledBody {
     inner: Incoming,
-    back: Option<(SendRequest<Incoming>, Arc<Pools>, Origin)>,
+    back: Option<(SendRequest<UpBody>, Arc<Pools>, Origin)>,
 }
 
 impl PooledBody {
-    fn new(
-        inner: Incoming,
-        back: Option<(SendRequest<Incoming>, Arc<Pools>, Origin)>,
-    ) -> PooledBody {
+    fn new(inner: Incoming, back: Option<(SendRequest<UpBody>, Arc<Pools>, Origin)>) -> PooledBody {
         let mut body = PooledBody { inner, back };
         // An empty body (a 204, a HEAD) may never be polled.
         if body.inner.is_end_stream() {
@@ -256,4 +282,76 @@ impl Body for PooledBody {
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
     }
+}
+
+/// A request body on its way upstream: the client's, or none (a request sent
+/// once more, see [`replayable`]).
+pub enum UpBody {
+    Stream(Incoming),
+    Empty,
+}
+
+impl Body for UpBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            UpBody::Stream(body) => Pin::new(body).poll_frame(cx),
+            UpBody::Empty => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpBody::Stream(body) => body.is_end_stream(),
+            UpBody::Empty => true,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpBody::Stream(body) => body.size_hint(),
+            UpBody::Empty => SizeHint::with_exact(0),
+        }
+    }
+}
+
+/// A copy of `req` to send again if it is lost with its connection: only a
+/// request that asks for nothing to change (`GET`, `HEAD`, `OPTIONS`,
+/// `TRACE`) and has no body.
+fn replayable(req: &Request<UpBody>) -> Option<Request<UpBody>> {
+    let safe = matches!(
+        *req.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    );
+    if !safe || !req.body().is_end_stream() {
+        return None;
+    }
+    let mut copy = Request::new(UpBody::Empty);
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    Some(copy)
+}
+
+/// The upstream closed the connection after the request was written, before
+/// any answer: what an idle timeout running out at that moment looks like.
+fn closed_unanswered(e: &hyper::Error) -> bool {
+    use std::error::Error as _;
+    e.is_incomplete_message()
+        || e.source()
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::BrokenPipe
+                        | std::io::ErrorKind::ConnectionAborted
+                )
+            })
 }
