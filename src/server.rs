@@ -116,12 +116,9 @@ impl Server {
         }
         let graceful = GracefulShutdown::new();
         let builder = connection_builder(&proxy.state().config);
-        let tls = match &proxy.state().config.server.tls {
-            Some(files) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
-                files,
-            )?)),
-            None => None,
-        };
+        // TLS or not is fixed at start; the certificate is the current
+        // config's (the start's if a reload turned TLS off).
+        let boot_tls = proxy.state().tls.clone();
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -152,16 +149,17 @@ impl Server {
                             }
                         })
                     };
-                    match &tls {
+                    match &boot_tls {
                         None => {
                             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                             let conn = graceful.watch(conn.into_owned());
                             idle::spawn(conn, idle, limit, peer);
                         }
-                        Some(acceptor) => {
+                        Some(boot) => {
+                            let acceptor = proxy.state().tls.clone().unwrap_or_else(|| boot.clone());
                             // The handshake runs in the connection's own task, so a
                             // slow client cannot hold up accepting.
-                            let (acceptor, builder, watcher) = (acceptor.clone(), builder.clone(), graceful.watcher());
+                            let (builder, watcher) = (builder.clone(), graceful.watcher());
                             tokio::spawn(async move {
                                 let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                                     Ok(Ok(stream)) => stream,

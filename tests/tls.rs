@@ -132,3 +132,48 @@ fn a_bad_certificate_is_a_clear_error() {
     assert!(err.contains("junk.pem"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[tokio::test]
+async fn a_reload_puts_a_renewed_certificate_in_service() {
+    let dir = temp_dir("tls-renew");
+    let (cert, key) = certificate(&dir);
+    let old_ca = dir.join("old.crt");
+    std::fs::copy(&cert, &old_ca).unwrap();
+    let cfg = format!(
+        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
+        cert.display(),
+        key.display()
+    );
+    let s = Sluice::start(&cfg).await;
+    let url = format!("https://127.0.0.1:{}/", s.addr.port());
+    let ok = |ca: PathBuf| {
+        let url = url.clone();
+        async move {
+            tls_client(&ca, false)
+                .request(Request::get(&url).body(empty()).unwrap())
+                .await
+                .is_ok_and(|r| r.status() == StatusCode::OK)
+        }
+    };
+    assert!(ok(old_ca.clone()).await);
+
+    // Renewed in place (same paths), as an ACME client does; then a reload.
+    let (cert, _) = certificate(&dir);
+    let file = dir.join("sluice.toml");
+    std::fs::write(&file, &cfg).unwrap();
+    s.proxy.reload(&file).unwrap();
+    assert!(
+        ok(cert.clone()).await,
+        "new connections get the renewed certificate"
+    );
+    assert!(!ok(old_ca).await, "and no longer the old one");
+
+    // A renewal gone wrong (a key that does not match) is refused; the
+    // certificate in service stays.
+    let (_, other_key) = certificate(&dir.join("other"));
+    std::fs::copy(&other_key, &key).unwrap();
+    assert!(s.proxy.reload(&file).is_err());
+    assert!(ok(cert).await);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -57,6 +57,10 @@ pub struct State {
     clients: HashMap<Arc<str>, UpstreamClient>,
     /// Each policy's `sluice_decisions_total` counters, by policy name.
     decisions: HashMap<Arc<str>, DecisionCounters, foldhash::fast::RandomState>,
+    /// `server.tls`'s certificate and key as this config's load found them:
+    /// new connections use the current state's, so a reload puts a renewed
+    /// certificate in service.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl State {
@@ -79,11 +83,16 @@ impl State {
             .iter()
             .map(|p| (p.name.clone(), metrics.decision_counters(&p.name)))
             .collect();
+        let tls = match &config.server.tls {
+            Some(files) => Some(crate::tls::server_config(files)?.into()),
+            None => None,
+        };
         Ok(State {
             router: Router::new(&config.routes),
             config,
             clients,
             decisions,
+            tls,
         })
     }
 }
@@ -142,9 +151,10 @@ impl Proxy {
     /// on the one they started with, and connections stay open.
     ///
     /// The store, the listeners and the worker count were set up at start: a
-    /// change to `[store]`, `listen`, `admin_listen`, `workers`, `tls` or
-    /// `max_header_bytes` is logged and waits for a restart. Counters live in
-    /// the store, so they survive.
+    /// change to `[store]`, `listen`, `admin_listen`, `workers`, turning
+    /// `tls` on or off, or `max_header_bytes` is logged and waits for a
+    /// restart. (`tls`'s files are read again: a renewed certificate serves new
+    /// connections.) Counters live in the store, so they survive.
     pub fn replace(&self, config: Config) -> Result<(), TlsError> {
         let state = State::new(config, &self.metrics)?;
         // Compared with what the process started with, not the last reload:
@@ -158,11 +168,8 @@ impl Proxy {
         if store_at_start != now.store {
             later.push("[store] (but on_error)");
         }
-        let tls_files = |s: &crate::config::ServerConfig| {
-            s.tls.as_ref().map(|t| (t.cert.clone(), t.key.clone()))
-        };
-        if tls_files(&was.server) != tls_files(&now.server) {
-            later.push("server.tls");
+        if was.server.tls.is_some() != now.server.tls.is_some() {
+            later.push("server.tls (on or off)");
         }
         if was.server.listen != now.server.listen {
             later.push("server.listen");
