@@ -396,11 +396,7 @@ async fn round_robin_skips_a_server_that_refuses_connections() {
 #[tokio::test]
 async fn upstream_connections_are_pooled_and_reused() {
     let up = Upstream::start().await;
-    let s = Sluice::start(&format!(
-        "[upstreams.api]\nurl = \"{}\"\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n",
-        up.url()
-    ))
-    .await;
+    let s = Sluice::start(&proxy_to(&up.url())).await;
     for _ in 0..5 {
         assert_eq!(get(&s.url("/a"), &[]).await.status, StatusCode::OK);
     }
@@ -470,10 +466,7 @@ async fn closing_upstream() -> (String, Arc<AtomicU64>, Arc<AtomicU64>) {
 #[tokio::test]
 async fn a_safe_request_lost_with_an_idle_pooled_connection_is_sent_again() {
     let (url, conns, requests) = closing_upstream().await;
-    let s = Sluice::start(&format!(
-        "[upstreams.api]\nurl = \"{url}\"\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n"
-    ))
-    .await;
+    let s = Sluice::start(&proxy_to(&url)).await;
     assert_eq!(get(&s.url("/a"), &[]).await.status, StatusCode::OK);
     // Idle long enough to look like an idle timeout (REPLAY_AFTER_IDLE).
     tokio::time::sleep(Duration::from_millis(150)).await;
@@ -505,8 +498,8 @@ async fn connections_without_a_request_close_after_header_timeout() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = Upstream::start().await;
     let sluice = Sluice::start(&format!(
-        "[server]\nheader_timeout = \"200ms\"\nupstream_timeout = \"5s\"\n\n[upstreams.api]\nurl = \"{}\"\n\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n",
-        up.url()
+        "[server]\nheader_timeout = \"200ms\"\nupstream_timeout = \"5s\"\n{}",
+        proxy_to(&up.url())
     ))
     .await;
     // Reads until the server closes the connection; returns what came and when.

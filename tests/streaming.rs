@@ -25,11 +25,7 @@ fn rss_kib() -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_bodies_stream_both_ways_in_flat_memory() {
     let up = Upstream::start().await;
-    let sluice = Sluice::start(&format!(
-        "[upstreams.api]\nurl = \"{}\"\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n",
-        up.url()
-    ))
-    .await;
+    let sluice = Sluice::start(&proxy_to(&up.url())).await;
     let c = client();
     // Warm up pools and allocator before the baseline.
     let warm = send(

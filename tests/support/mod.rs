@@ -300,6 +300,11 @@ pub fn h2_client() -> Client<HttpConnector, BoxBody> {
         .build(HttpConnector::new())
 }
 
+/// The smallest config: every path to one upstream at `url`, no policy.
+pub fn proxy_to(url: &str) -> String {
+    format!("[upstreams.api]\nurl = \"{url}\"\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n")
+}
+
 pub fn empty() -> BoxBody {
     Full::new(Bytes::new()).map_err(|e| match e {}).boxed()
 }
