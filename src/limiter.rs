@@ -6,7 +6,7 @@
 //! it without the proxy knowing which one answers.
 
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use http::{HeaderMap, StatusCode};
 use sha2::{Digest, Sha256};
@@ -54,8 +54,7 @@ pub enum Verdict {
 
 /// What [`Limiter::settle`] needs to give back or charge a request's units.
 pub struct Ticket {
-    policy: Arc<Policy>,
-    counters: Vec<Counter>,
+    counters: Arc<Counters>,
     marks: Vec<u64>,
     cost: u64,
 }
@@ -80,7 +79,8 @@ impl Limiter {
     }
 
     /// Decides one request: every limit of the policy, for every identity, in
-    /// one store call. A rejection charges nothing.
+    /// one store call. A rejection charges nothing. `cache` is the
+    /// connection's (see [`KeyCache`]).
     pub async fn decide(
         &self,
         policy: &Arc<Policy>,
@@ -88,8 +88,10 @@ impl Limiter {
         client: IpAddr,
         headers: &HeaderMap,
         query: Option<&str>,
+        cache: &KeyCache,
     ) -> Result<Verdict, StoreError> {
-        let (counters, limit_of) = counters(policy, client, headers, query);
+        let set = cache.counters(policy, identities(policy, client, headers, query));
+        let (counters, limit_of) = (&set.list, &set.limit_of);
         let charge = policy.charge == Charge::Reserve;
         let now = self.clock.now_ms();
         let cache = self
@@ -101,7 +103,7 @@ impl Limiter {
         {
             return Ok(Verdict::Limited { binding });
         }
-        let outcome = self.store.acquire(&counters, cost, charge, now).await?;
+        let outcome = self.store.acquire(counters, cost, charge, now).await?;
         let binding = |i: usize| {
             let s = outcome.states[i];
             let l = &policy.limits[limit_of[i]];
@@ -145,8 +147,7 @@ impl Limiter {
             index: 0,
         });
         let ticket = Ticket {
-            policy: policy.clone(),
-            counters,
+            counters: set.clone(),
             marks: outcome.marks,
             cost,
         };
@@ -166,21 +167,22 @@ impl Limiter {
         status: StatusCode,
         proxy_error: bool,
     ) -> Result<bool, StoreError> {
-        let free = proxy_error || ticket.policy.refund.contains(&status);
+        let policy = &ticket.counters.policy;
+        let free = proxy_error || policy.refund.contains(&status);
         // The clock is read only when there is something to do (the usual
         // request has nothing to settle).
-        match ticket.policy.charge {
+        match policy.charge {
             Charge::Reserve if free => {
                 let now = self.clock.now_ms();
                 self.store
-                    .refund(&ticket.counters, &ticket.marks, ticket.cost, now)
+                    .refund(&ticket.counters.list, &ticket.marks, ticket.cost, now)
                     .await?;
                 Ok(true)
             }
             Charge::After if !free => {
                 let now = self.clock.now_ms();
                 self.store
-                    .charge(&ticket.counters, ticket.cost, now)
+                    .charge(&ticket.counters.list, ticket.cost, now)
                     .await?;
                 Ok(false)
             }
@@ -269,41 +271,86 @@ impl Limiter {
     }
 }
 
-/// The counters of one request, and for each the index of its limit.
-fn counters(
+/// The counters one request counts in, built from its policy and identities.
+/// A connection keeps its last ones (see [`KeyCache`]).
+pub struct Counters {
+    policy: Arc<Policy>,
+    /// One per distinct key spec of the policy, in order of first use.
+    ids: Vec<Identity>,
+    list: Vec<Counter>,
+    /// For each counter, the index of its limit in the policy.
+    limit_of: Vec<usize>,
+}
+
+impl Counters {
+    fn build(policy: &Arc<Policy>, ids: Vec<Identity>) -> Counters {
+        let n = policy.limits.len();
+        let mut list: Vec<Counter> = Vec::with_capacity(n);
+        let mut limit_of = Vec::with_capacity(n);
+        // Limits usually share their keys: hash each identity once.
+        let groups: Vec<Vec<u8>> = ids.iter().map(|id| group_key(&policy.name, id)).collect();
+        for (i, limit) in policy.limits.iter().enumerate() {
+            for spec in &limit.keys {
+                let Some(g) = policy.specs.iter().position(|s| s == spec) else {
+                    continue;
+                };
+                let c = counter_in(&groups[g], limit);
+                // Two specs can fall back to the same identity (both to the
+                // client address): count it once.
+                if list.iter().any(|o| o.key == c.key) {
+                    continue;
+                }
+                list.push(c);
+                limit_of.push(i);
+            }
+        }
+        Counters {
+            policy: policy.clone(),
+            ids,
+            list,
+            limit_of,
+        }
+    }
+}
+
+/// A connection's last [`Counters`]. A keep-alive client asks again and again
+/// as the same identity, and turning an identity into keys (a SHA-256, and
+/// three keys built) was a quarter of what a memory-store decision costs; a
+/// request whose policy and identities match reuses them. Policies are
+/// compared by pointer: a reload makes new ones, so old counters never serve.
+#[derive(Default)]
+pub struct KeyCache(Mutex<Option<Arc<Counters>>>);
+
+impl KeyCache {
+    fn counters(&self, policy: &Arc<Policy>, ids: Vec<Identity>) -> Arc<Counters> {
+        // A poisoned lock only means a panic elsewhere: the cache is still
+        // whole (it is replaced, never edited in place).
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = &*last
+            && Arc::ptr_eq(&c.policy, policy)
+            && c.ids == ids
+        {
+            return c.clone();
+        }
+        let built = Arc::new(Counters::build(policy, ids));
+        *last = Some(built.clone());
+        built
+    }
+}
+
+/// The identities of one request under `policy`, one per [`Policy::specs`].
+fn identities(
     policy: &Policy,
     client: IpAddr,
     headers: &HeaderMap,
     query: Option<&str>,
-) -> (Vec<Counter>, Vec<usize>) {
-    let n = policy.limits.len();
-    let mut counters: Vec<Counter> = Vec::with_capacity(n);
-    let mut limit_of = Vec::with_capacity(n);
-    // Limits usually share their keys: identify (and hash) each spec once.
-    let mut groups: Vec<(&KeySpec, Vec<u8>)> = Vec::with_capacity(1);
-    for (i, limit) in policy.limits.iter().enumerate() {
-        for spec in &limit.keys {
-            let group = match groups.iter().position(|(s, _)| *s == spec) {
-                Some(g) => &groups[g].1,
-                None => {
-                    let id = identity::identify(spec, client, headers, query);
-                    groups.push((spec, group_key(&policy.name, &id)));
-                    &groups[groups.len() - 1].1
-                }
-            };
-            let c = counter_in(group, limit);
-            // Two specs can fall back to the same identity (both to the client
-            // address): count it once.
-            if counters.iter().any(|o| o.key == c.key) {
-                continue;
-            }
-            counters.push(c);
-            limit_of.push(i);
-        }
-    }
-    (counters, limit_of)
+) -> Vec<Identity> {
+    policy
+        .specs
+        .iter()
+        .map(|spec| identity::identify(spec, client, headers, query))
+        .collect()
 }
-
 /// The counter of one limit for one identity.
 fn counter(policy: &str, limit: &crate::config::Limit, id: &Identity) -> Counter {
     counter_in(&group_key(policy, id), limit)

@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 use crate::clock::Clock;
 use crate::config::{Backend, Config};
 use crate::idle::{self, Idle, Tracked};
-use crate::limiter::Limiter;
+use crate::limiter::{KeyCache, Limiter};
 use crate::proxy::Proxy;
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
@@ -136,15 +136,16 @@ impl Server {
                     let _ = stream.set_nodelay(true);
                     let limit = proxy.state().config.server.header_timeout;
                     let idle = Idle::new();
+                    let keys = Arc::new(KeyCache::default());
                     let service = {
                         let (proxy, idle) = (proxy.clone(), idle.clone());
                         service_fn(move |req| {
                             // The request begins inside the future: begun out
                             // here, it made hyper copy the (4 KB) future once more.
-                            let (proxy, idle) = (proxy.clone(), idle.clone());
+                            let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                             async move {
                                 let request = idle.begin();
-                                let resp = proxy.handle(req, peer).await;
+                                let resp = proxy.handle(req, peer, &keys).await;
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })

@@ -343,6 +343,62 @@ async fn a_list_of_keys_counts_each_identity() {
     assert_eq!(r.header_u64("x-ratelimit-remaining"), 1);
 }
 
+/// A connection keeps its last counters for its next request (src/limiter.rs,
+/// `KeyCache`): they must serve only the same identities under the same policy.
+#[tokio::test]
+async fn one_connection_asking_as_other_identities_or_after_a_reload() {
+    let up = Upstream::start().await;
+    let cfg = |limit: u64| {
+        format!(
+            "[server]\ntrusted_proxies = [\"127.0.0.1\"]\n[upstreams.api]\nurl = \"{}\"\n\
+             [policies.p]\nkey = [\"ip\", \"header:X-User\"]\nlimits = [{{ limit = {limit}, window = \"1m\" }}]\n\
+             [[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"\n",
+            up.url()
+        )
+    };
+    let s = Sluice::start_with_clock(&cfg(1), clock_at_window_start(60_000)).await;
+    // HTTP/2: every request below shares one connection. (HTTP/1.1 follows.)
+    for (client, net) in [(h2_client(), "192.0.2"), (client(), "198.51.100")] {
+        let ask = |ip: &str, user: &str| {
+            let req = Request::get(s.url("/"))
+                .header("x-forwarded-for", format!("{net}.{ip}"))
+                .header("x-user", format!("{user}@{net}"))
+                .body(empty())
+                .unwrap();
+            send(&client, req)
+        };
+        assert_eq!(ask("1", "alice").await.status, StatusCode::OK);
+        // Same address, other user; other address, same user: both spent.
+        assert_eq!(ask("1", "bob").await.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            ask("2", "alice").await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        // Neither spent: a fresh budget, on the same connection.
+        assert_eq!(ask("2", "bob").await.status, StatusCode::OK);
+        assert_eq!(ask("2", "bob").await.status, StatusCode::TOO_MANY_REQUESTS);
+    }
+    // A reload that raises the limit: the same identity, on the same
+    // connection, is now counted against the new limit.
+    let h2 = h2_client();
+    let ask = || {
+        let req = Request::get(s.url("/"))
+            .header("x-forwarded-for", "203.0.113.1")
+            .header("x-user", "carol")
+            .body(empty())
+            .unwrap();
+        send(&h2, req)
+    };
+    assert_eq!(ask().await.status, StatusCode::OK);
+    assert_eq!(ask().await.status, StatusCode::TOO_MANY_REQUESTS);
+    let raised = sluice::config::parse(&cfg(3), "test.toml", std::path::Path::new(".")).unwrap();
+    s.proxy.replace(raised).unwrap();
+    let r = ask().await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header_u64("x-ratelimit-limit"), 3);
+    assert_eq!(r.header_u64("x-ratelimit-remaining"), 1);
+}
+
 #[tokio::test]
 async fn spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
     let up = Upstream::start().await;

@@ -583,12 +583,19 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             l.id = format!("{}@{}", l.id, keys.join("+"));
         }
     }
+    let mut specs: Vec<KeySpec> = Vec::new();
+    for spec in limits.iter().flat_map(|l| &l.keys) {
+        if !specs.contains(spec) {
+            specs.push(spec.clone());
+        }
+    }
     Some(Policy {
         name: name.into(),
         charge,
         refund,
         mode,
         limits,
+        specs,
     })
 }
 

@@ -244,6 +244,9 @@ pub struct Policy {
     pub refund: Vec<StatusCode>,
     pub mode: Mode,
     pub limits: Vec<Limit>,
+    /// The distinct key specs of its limits, in order of first use: a request
+    /// has one identity for each.
+    pub specs: Vec<KeySpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -39,7 +39,7 @@ pub use error::ProxyError;
 
 use crate::config::{Config, OnError, Route, StoreConfig, Target};
 use crate::identity;
-use crate::limiter::{Binding, Limiter, Ticket, Verdict};
+use crate::limiter::{Binding, KeyCache, Limiter, Ticket, Verdict};
 use crate::metrics::{DecisionCounters, Metrics, Name, RouteStatus, UpstreamLabel};
 use crate::router::Router;
 use crate::store::StoreError;
@@ -216,7 +216,13 @@ impl Proxy {
     }
 
     /// Serves one request from `peer`. Never fails: every error is a response.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    /// `keys` is the connection's cache of counter keys.
+    pub async fn handle(
+        &self,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        keys: &KeyCache,
+    ) -> Response<Body> {
         let state = self.state.load_full();
         let mut ctx = RequestCtx {
             route: None,
@@ -232,7 +238,7 @@ impl Proxy {
                 req.uri().path().to_string(),
             )
         });
-        let resp = match self.phases(&state, req, peer, &mut ctx).await {
+        let resp = match self.phases(&state, req, peer, keys, &mut ctx).await {
             Ok(resp) => resp,
             Err(e) => e.response(),
         };
@@ -264,6 +270,7 @@ impl Proxy {
         state: &State,
         req: Request<Incoming>,
         peer: SocketAddr,
+        keys: &KeyCache,
         ctx: &mut RequestCtx,
     ) -> Result<Response<Body>, ProxyError> {
         let config = &state.config;
@@ -294,7 +301,14 @@ impl Proxy {
             let asked = Instant::now();
             let verdict = self
                 .limiter
-                .decide(policy, route.cost, client, req.headers(), req.uri().query())
+                .decide(
+                    policy,
+                    route.cost,
+                    client,
+                    req.headers(),
+                    req.uri().query(),
+                    keys,
+                )
                 .await;
             self.metrics
                 .store_seconds
