@@ -131,7 +131,7 @@ def measure(ours, ref):
 
 
 def sluice_call(script, pipe, i, ip, now):
-    script(keys=[key_for(ip)], args=[struct.pack(">Bddd", 1, now, 1, i), SPEC], client=pipe)
+    script(keys=[key_for(ip)], args=[struct.pack(">Bddd", 1, now, 1, i) + SPEC], client=pipe)
 
 
 # The same policy for bench/seed_reference.lua: [window s, limit, precision s].

@@ -407,12 +407,14 @@ impl RedisStore {
         let nonce = self.nonce.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1);
         let mut inv = self.acquire.prepare_invoke();
         let index = self.keys(&mut inv, counters)?;
+        // One argument: the call's header, then the counters (a second
+        // argument costs Redis about 1,500 instructions).
         let mut head = [0u8; 25];
         head[0] = mode;
         head[1..9].copy_from_slice(&self.now_arg(now_ms).to_be_bytes());
         head[9..17].copy_from_slice(&(cost as f64).to_be_bytes());
         head[17..25].copy_from_slice(&(nonce as f64).to_be_bytes());
-        inv.arg(&head[..]).arg(spec(counters, &index));
+        inv.arg(spec(&head, counters, &index));
         let reply: Vec<u8> = self.call(&inv, deadline).await?;
         parse_outcome(&reply, counters.len()).ok_or_else(|| {
             StoreError::Unavailable(format!(
@@ -469,18 +471,21 @@ impl RedisStore {
             .iter()
             .flat_map(|&m| (m as f64).to_be_bytes())
             .collect();
-        inv.arg(&head[..]).arg(spec(counters, &index)).arg(marks);
+        inv.arg(&head[..])
+            .arg(spec(&[], counters, &index))
+            .arg(marks);
         let _: i64 = self.call(&inv, deadline).await?;
         Ok(())
     }
 }
 
-/// The counters as the scripts take them: 34 bytes each, `>BBdddI4I4` (key
-/// index, algorithm, limit, window ms, parameter, record tag); see
-/// `lua/acquire.lua`. Binary, because parsing decimals in Lua was a third of
-/// the script's cost.
-fn spec(counters: &[Counter], index: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(34 * counters.len());
+/// `head`, then the counters as the scripts take them: 34 bytes each,
+/// `>BBdddI4I4` (key index, algorithm, limit, window ms, parameter, record
+/// tag); see `lua/acquire.lua`. Binary, because parsing decimals in Lua was a
+/// third of the script's cost.
+fn spec(head: &[u8], counters: &[Counter], index: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(head.len() + 34 * counters.len());
+    out.extend_from_slice(head);
     for (c, &ki) in counters.iter().zip(index) {
         let (alg, param) = script_params(c);
         out.push(ki);
@@ -493,10 +498,13 @@ fn spec(counters: &[Counter], index: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Reads acquire.lua's answer: `>B` allowed, `>d` now, then `>dddd` per
-/// counter (remaining, reset, retry, mark).
+/// Reads acquire.lua's answer: `>B` allowed, `>d` now, then `>ddd` per
+/// counter (remaining, reset, mark), then, only when refused, `>d` per counter
+/// (retry; an allowed call's are all 0).
 fn parse_outcome(reply: &[u8], count: usize) -> Option<Outcome> {
-    if reply.len() != 9 + 32 * count {
+    let allowed = *reply.first()? == 1;
+    let retries = if allowed { None } else { Some(9 + 24 * count) };
+    if reply.len() != 9 + 24 * count + retries.map_or(0, |_| 8 * count) {
         return None;
     }
     let num = |at: usize| -> Option<u64> {
@@ -507,16 +515,19 @@ fn parse_outcome(reply: &[u8], count: usize) -> Option<Outcome> {
     let mut states = Vec::with_capacity(count);
     let mut marks = Vec::with_capacity(count);
     for i in 0..count {
-        let at = 9 + 32 * i;
+        let at = 9 + 24 * i;
         states.push(CounterState {
             remaining: num(at)?,
             reset_ms: num(at + 8)?,
-            retry_ms: num(at + 16)?,
+            retry_ms: match retries {
+                Some(r) => num(r + 8 * i)?,
+                None => 0,
+            },
         });
-        marks.push(num(at + 24)?);
+        marks.push(num(at + 16)?);
     }
     Some(Outcome {
-        allowed: reply[0] == 1,
+        allowed,
         now_ms: num(1)?,
         states,
         marks,
@@ -582,9 +593,9 @@ mod tests {
 
     #[test]
     fn outcomes_are_read_from_the_binary_answer() {
-        // allowed, now, then remaining, reset, retry, mark.
+        // allowed, now, then remaining, reset, mark.
         let mut reply = vec![1u8];
-        for v in [1_800_000_000_123.0f64, 5.0, 1_800_000_060_000.0, 0.0, 30.0] {
+        for v in [1_800_000_000_123.0f64, 5.0, 1_800_000_060_000.0, 30.0] {
             reply.extend_from_slice(&v.to_be_bytes());
         }
         let o = parse_outcome(&reply, 1).unwrap();
@@ -602,12 +613,17 @@ mod tests {
         // An answer of the wrong length (another script, a cut reply) is refused.
         assert!(parse_outcome(&reply, 2).is_none());
         assert!(parse_outcome(&reply[..20], 1).is_none());
-        // A negative number reads as 0, never wraps around.
+        // Refused: the retries follow. A negative number reads as 0, never
+        // wraps around.
         let mut denied = reply.clone();
         denied[0] = 0;
+        assert!(parse_outcome(&denied, 1).is_none());
         denied[9..17].copy_from_slice(&(-1.0f64).to_be_bytes());
+        denied.extend_from_slice(&1500.0f64.to_be_bytes());
         let o = parse_outcome(&denied, 1).unwrap();
         assert!(!o.allowed);
         assert_eq!(o.states[0].remaining, 0);
+        assert_eq!(o.states[0].retry_ms, 1500);
+        assert_eq!(o.marks, vec![30]);
     }
 }
