@@ -336,8 +336,14 @@ if charged then
       end
     end
     if need > stored then
-      -- A second of slack: with clock = "local", another instance's clock
-      -- may be behind this one's.
+      -- The string is kept a sixteenth of its life longer than its records
+      -- need, so that an identity calling once a bucket (once a minute, for
+      -- an hour of minutes) moves its expiry every fourth call, not every
+      -- call: a SET with PX costs 14,600 instructions, one with KEEPTTL
+      -- 6,100. And a second of slack: with clock = "local", another
+      -- instance's clock may be behind this one's.
+      local life = need - now
+      need = need + (life - life % 16) / 16
       redis.call('SET', KEYS[pk], pack_('>Bd', 1, need) .. value .. p1 .. p2 .. p3 .. p4,
         'PX', need - now + 1000)
     else

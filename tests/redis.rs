@@ -521,6 +521,40 @@ async fn fallback_lifetime_on(redis: TestRedis) {
     assert_eq!(used[0], 1, "{usage}");
 }
 
+/// A packed string outlives what its records need by a sixteenth of their life
+/// (lua/acquire.lua), so that an identity asking once a minute moves its TTL
+/// every few calls rather than every call; never by more, never by less.
+#[tokio::test]
+async fn the_ttl_moves_every_few_buckets_not_every_call() {
+    let redis = TestRedis::Single(RedisServer::start());
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 100, window = \"1h\", precision = \"1m\" }]";
+    let clock = clock_at_window_start(60_000);
+    let s = Sluice::start_with_clock(&config(&redis, &up, "local", policy), clock.clone()).await;
+    let pttl = || -> i64 {
+        let keys = redis.keys();
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        redis.query(redis::cmd("PTTL").arg(&keys[0]))
+    };
+    // Just past the start of a minute, the hour of minutes needs an hour.
+    let life = 60 * 60_000;
+    let want = life + life / 16 + 1000;
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    let first = pttl();
+    assert!((want - 1000..=want).contains(&first), "{first} vs {want}");
+    // A minute later the records need a minute more: the TTL stays.
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    let second = pttl();
+    assert!(first - second < 1000, "moved: {first} -> {second}");
+    // Four minutes after the first call they need more than it gives: moved,
+    // by the same rule.
+    clock.advance(Duration::from_secs(180));
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    let later = pttl();
+    assert!((want - 1000..=want).contains(&later), "{later} vs {want}");
+}
+
 on_both!(
     records_survive_reordered_removed_and_restored_limits,
     reordered_limits_on
