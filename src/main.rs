@@ -110,11 +110,12 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
+        let admin = config.server.admin_listen;
+        let server = sluice::Server::new(listener, config)?;
         tracing::info!(listen = %addr, workers, "sluice is serving");
-        if let Some(admin) = config.server.admin_listen {
+        if let Some(admin) = admin {
             tracing::info!(%admin, "admin endpoints: /healthz /readyz /metrics /usage");
         }
-        let server = sluice::Server::new(listener, config)?;
         let proxy = server.proxy();
         let path = path.to_path_buf();
         tokio::spawn(async move {

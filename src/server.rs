@@ -21,12 +21,13 @@ use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
 
-/// Why the server could not start or run.
+/// Why the server could not start or run. (The cause is the error's source,
+/// which `main` prints after it: naming it here too printed it twice.)
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("store: {0}")]
+    #[error("store")]
     Store(#[from] crate::store::StoreError),
-    #[error("server.tls: {0}")]
+    #[error("server.tls")]
     Tls(#[from] crate::tls::TlsError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {

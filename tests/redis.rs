@@ -521,6 +521,44 @@ async fn fallback_lifetime_on(redis: TestRedis) {
     assert_eq!(used[0], 1, "{usage}");
 }
 
+/// The database number of `store.url` is the one counters go to.
+#[tokio::test]
+async fn the_database_in_the_url_is_used() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 5, window = \"1m\" }]";
+    let single = TestRedis::Single(redis);
+    let cfg = config(&single, &up, "local", policy).replace("/0\"", "/5\"");
+    assert!(cfg.contains("/5\""), "{cfg}");
+    let s = Sluice::start(&cfg).await;
+    let r = get(&s.url("/"), &[]).await;
+    assert_eq!(r.header_u64("x-ratelimit-remaining"), 4);
+    let TestRedis::Single(redis) = &single else {
+        unreachable!()
+    };
+    let mut conn = redis.conn();
+    let in_5: Vec<String> = redis::pipe()
+        .cmd("SELECT")
+        .arg(5)
+        .ignore()
+        .cmd("KEYS")
+        .arg("t:*")
+        .query(&mut conn)
+        .map(|(keys,): (Vec<String>,)| keys)
+        .unwrap();
+    assert_eq!(in_5.len(), 1, "{in_5:?}");
+    let in_0: Vec<String> = redis::pipe()
+        .cmd("SELECT")
+        .arg(0)
+        .ignore()
+        .cmd("KEYS")
+        .arg("t:*")
+        .query(&mut conn)
+        .map(|(keys,): (Vec<String>,)| keys)
+        .unwrap();
+    assert!(in_0.is_empty(), "{in_0:?}");
+}
+
 /// A packed string outlives what its records need by a sixteenth of their life
 /// (lua/acquire.lua), so that an identity asking once a minute moves its TTL
 /// every few calls rather than every call; never by more, never by less.

@@ -3,6 +3,7 @@
 //!
 //! - `memory.rs`: in this process only; the default, no Redis needed.
 //! - `redis.rs`: shared by every instance; the algorithms are Lua scripts in `lua/`.
+//! - `pipe.rs`: the Redis store's connection to a single server.
 //!
 //! Every store implements the same four algorithms with the same results, so a
 //! policy behaves the same whatever it is stored in. What the algorithms mean:
@@ -17,6 +18,7 @@
 //!   a request passes if the TAT stays within `burst` units of now.
 
 pub mod memory;
+mod pipe;
 pub mod redis;
 
 use crate::config::Algorithm;

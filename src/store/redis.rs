@@ -3,14 +3,15 @@
 //! Each decision is one `EVALSHA` of `lua/acquire.lua` over all of a request's
 //! counters, so the check and the charge are atomic and cost one round trip;
 //! a refund is one call of `lua/refund.lua`. The scripts are embedded in the
-//! binary; `redis::Script` sends `EVALSHA` and, on `NOSCRIPT` (Redis restarted
-//! or `SCRIPT FLUSH`), loads the script and retries, unseen by clients.
+//! binary and called by hash (`EVALSHA`); on `NOSCRIPT` (Redis restarted, or
+//! `SCRIPT FLUSH`) the call is made again with the script's text (`EVAL`, which
+//! also caches it), unseen by clients.
 //!
-//! The connection is a `ConnectionManager`: multiplexed, connected lazily (so
-//! sluice starts while Redis is down) and reconnected in the background. With
-//! `store.cluster` it is the redis crate's cluster client, also connected
-//! lazily, which follows slot moves and failovers. Every call is bounded by
-//! `store.timeout`.
+//! A single server is reached through `pipe.rs`: one pipelined connection for
+//! every call, made lazily (so sluice starts while Redis is down) and again by
+//! the first call after a failure. With `store.cluster` it is the redis crate's
+//! cluster client, also connected lazily, which follows slot moves and
+//! failovers. Every call is bounded by `store.timeout`.
 //!
 //! A script may only touch keys of one cluster slot. All counters of one
 //! identity share a hash tag, so a request with one identity is still one
@@ -23,64 +24,40 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Script, ScriptInvocation};
+use redis::{RedisError, Script};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
+use super::pipe::{Command, Pipe, Reply, Target};
 use super::{Counter, CounterState, Outcome, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
 static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
 static REFUND: &str = include_str!("../../lua/refund.lua");
 
+// One per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Conn {
-    Single(ConnectionManager),
+    Single(Pipe),
     Cluster(Box<Cluster>),
-}
-
-/// One connection of either kind, usable wherever redis-rs wants one.
-enum Handle {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl redis::aio::ConnectionLike for Handle {
-    fn req_packed_command<'a>(
-        &'a mut self,
-        cmd: &'a redis::Cmd,
-    ) -> redis::RedisFuture<'a, redis::Value> {
-        match self {
-            Handle::Single(c) => c.req_packed_command(cmd),
-            Handle::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        match self {
-            Handle::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Handle::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Handle::Single(c) => c.get_db(),
-            Handle::Cluster(c) => c.get_db(),
-        }
-    }
 }
 
 struct Cluster {
     client: ClusterClient,
     conn: OnceCell<ClusterConnection>,
+}
+
+impl Cluster {
+    /// The cluster's connection (made on first use).
+    async fn connection(&self) -> Result<ClusterConnection, RedisError> {
+        let c = self
+            .conn
+            .get_or_try_init(|| self.client.get_async_connection())
+            .await?;
+        Ok(c.clone())
+    }
 }
 
 /// Cheap to clone: refunds that must outlive a request run in their own task.
@@ -122,21 +99,9 @@ impl RedisStore {
         };
         let conn = match &config.url {
             Some(url) => {
-                let client = if ca.is_some() && url.starts_with("rediss://") {
-                    redis::Client::build_with_tls(url.as_str(), certs()).map_err(bad)?
-                } else {
-                    redis::Client::open(url.as_str()).map_err(bad)?
-                };
-                let manager = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(config.timeout))
-                    // No response timer of its own: every call is already bounded
-                    // by `store.timeout` below (one timer per call, not two), and
-                    // its timeout would not make it reconnect either (redis-rs
-                    // reconnects on dropped connections, not on timeouts).
-                    .set_response_timeout(None)
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                Conn::Single(ConnectionManager::new_lazy_with_config(client, manager).map_err(bad)?)
+                let target =
+                    Target::from_url(url, ca.as_deref()).map_err(StoreError::Unavailable)?;
+                Conn::Single(Pipe::new(target, config.timeout))
             }
             None => {
                 let mut builder = ClusterClient::builder(config.cluster.iter().map(String::as_str));
@@ -171,10 +136,28 @@ impl RedisStore {
     /// Loads both scripts, so the first requests do not meet `NOSCRIPT`. If
     /// Redis is down this fails quietly: each call loads on demand anyway.
     pub async fn preload(&self) {
-        for script in [&self.acquire, &self.refund] {
-            let load = async { script.load_async(&mut self.handle().await?).await };
+        for (script, text) in [(&self.acquire, ACQUIRE), (&self.refund, REFUND)] {
+            let load = async {
+                match &self.conn {
+                    Conn::Single(pipe) => match pipe
+                        .call(&Command::of(&[b"SCRIPT", b"LOAD", text.as_bytes()]))
+                        .await?
+                    {
+                        Reply::Error(e) => Err(e),
+                        _ => Ok(()),
+                    },
+                    Conn::Cluster(cluster) => {
+                        let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
+                        script
+                            .load_async(&mut conn)
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| e.to_string())
+                    }
+                }
+            };
             match tokio::time::timeout(self.timeout, load).await {
-                Ok(Ok(_)) => {}
+                Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "could not preload the Lua scripts");
                     return;
@@ -192,31 +175,36 @@ impl RedisStore {
         keys.sort();
         keys.dedup();
         for key in keys {
-            let mut cmd = redis::cmd("DEL");
-            cmd.arg(key);
-            let del = async { cmd.query_async::<i64>(&mut self.handle().await?).await };
-            match tokio::time::timeout_at(deadline, del).await {
-                Err(_) => return Err(StoreError::Timeout),
-                Ok(Err(e)) => return Err(StoreError::Unavailable(e.to_string())),
-                Ok(Ok(_)) => {}
-            }
+            self.command(&[b"DEL", &key], deadline).await?;
         }
         Ok(())
     }
 
-    /// A connection to send on: a clone of the multiplexed one, or of the
-    /// cluster's (made on first use).
-    async fn handle(&self) -> Result<Handle, RedisError> {
-        Ok(match &self.conn {
-            Conn::Single(c) => Handle::Single(c.clone()),
-            Conn::Cluster(cluster) => {
-                let Cluster { client, conn } = &**cluster;
-                let c = conn
-                    .get_or_try_init(|| client.get_async_connection())
-                    .await?;
-                Handle::Cluster(c.clone())
+    /// Sends one command that is not a script; an error reply is an error.
+    async fn command(&self, args: &[&[u8]], deadline: Instant) -> Result<Reply, StoreError> {
+        let call = async {
+            match &self.conn {
+                Conn::Single(pipe) => pipe.call(&Command::of(args)).await,
+                Conn::Cluster(cluster) => {
+                    let mut cmd = redis::Cmd::new();
+                    args.iter().for_each(|a| {
+                        cmd.arg(*a);
+                    });
+                    let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
+                    let value: redis::Value = cmd
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok(reply_of(value))
+                }
             }
-        })
+        };
+        match tokio::time::timeout_at(deadline, call).await {
+            Err(_) => Err(StoreError::Timeout),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e)),
+            Ok(Ok(Reply::Error(e))) => Err(StoreError::Unavailable(e)),
+            Ok(Ok(reply)) => Ok(reply),
+        }
     }
 
     fn is_cluster(&self) -> bool {
@@ -224,13 +212,9 @@ impl RedisStore {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let cmd = redis::cmd("PING");
-        let ping = async { cmd.query_async::<String>(&mut self.handle().await?).await };
-        match tokio::time::timeout(self.timeout, ping).await {
-            Err(_) => Err(StoreError::Timeout),
-            Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
-            Ok(Ok(_)) => Ok(()),
-        }
+        self.command(&[b"PING"], Instant::now() + self.timeout)
+            .await
+            .map(|_| ())
     }
 
     /// `now` for the scripts: the proxy's clock, or negative for Redis `TIME`.
@@ -250,24 +234,21 @@ impl RedisStore {
         key
     }
 
-    /// Passes the distinct keys of `counters` as KEYS; returns, per counter,
+    /// The distinct keys of `counters` (the scripts' KEYS), and per counter
     /// the (1-based) index of its key.
-    fn keys(
-        &self,
-        inv: &mut ScriptInvocation<'_>,
-        counters: &[Counter],
-    ) -> Result<Vec<u8>, StoreError> {
+    fn keys(&self, counters: &[Counter]) -> Result<(Vec<Vec<u8>>, Vec<u8>), StoreError> {
         // Compared without the prefix, so that a key is built only once.
-        let mut keys: Vec<&[u8]> = Vec::with_capacity(counters.len());
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(counters.len());
+        let mut keys = Vec::with_capacity(counters.len());
         let mut index = Vec::with_capacity(counters.len());
         for c in counters {
             let part = key_part(c);
-            let i = match keys.iter().position(|k| *k == part) {
+            let i = match parts.iter().position(|k| *k == part) {
                 Some(i) => i + 1,
                 None => {
-                    inv.key(self.redis_key(c));
-                    keys.push(part);
-                    keys.len()
+                    keys.push(self.redis_key(c));
+                    parts.push(part);
+                    parts.len()
                 }
             };
             // The scripts take a key index in one byte.
@@ -275,19 +256,61 @@ impl RedisStore {
                 StoreError::Unavailable("more than 255 Redis keys in one decision".into())
             })?);
         }
-        Ok(index)
+        Ok((keys, index))
     }
 
-    async fn call<T: redis::FromRedisValue>(
+    /// Runs `script` (whose text is `text`): `EVALSHA`, and on `NOSCRIPT`
+    /// (Redis restarted, or `SCRIPT FLUSH`) `EVAL` of the text, which also
+    /// caches it. An error reply (the script failed) is an error.
+    async fn eval(
         &self,
-        inv: &ScriptInvocation<'_>,
+        script: &Script,
+        text: &str,
+        keys: &[Vec<u8>],
+        args: &[&[u8]],
         deadline: Instant,
-    ) -> Result<T, StoreError> {
-        let call = async { inv.invoke_async(&mut self.handle().await?).await };
+    ) -> Result<Reply, StoreError> {
+        let call = async {
+            match &self.conn {
+                Conn::Single(pipe) => {
+                    let reply = pipe
+                        .call(&script_command(
+                            b"EVALSHA",
+                            script.get_hash().as_bytes(),
+                            keys,
+                            args,
+                        ))
+                        .await?;
+                    match reply {
+                        Reply::Error(e) if e.starts_with("NOSCRIPT") => {
+                            pipe.call(&script_command(b"EVAL", text.as_bytes(), keys, args))
+                                .await
+                        }
+                        reply => Ok(reply),
+                    }
+                }
+                Conn::Cluster(cluster) => {
+                    let mut inv = script.prepare_invoke();
+                    keys.iter().for_each(|k| {
+                        inv.key(&k[..]);
+                    });
+                    args.iter().for_each(|a| {
+                        inv.arg(*a);
+                    });
+                    let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
+                    let value: redis::Value = inv
+                        .invoke_async(&mut conn)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok(reply_of(value))
+                }
+            }
+        };
         match tokio::time::timeout_at(deadline, call).await {
             Err(_) => Err(StoreError::Timeout),
-            Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
-            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e)),
+            Ok(Ok(Reply::Error(e))) => Err(StoreError::Unavailable(e)),
+            Ok(Ok(reply)) => Ok(reply),
         }
     }
 
@@ -405,8 +428,7 @@ impl RedisStore {
         deadline: Instant,
     ) -> Result<Outcome, StoreError> {
         let nonce = self.nonce.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1);
-        let mut inv = self.acquire.prepare_invoke();
-        let index = self.keys(&mut inv, counters)?;
+        let (keys, index) = self.keys(counters)?;
         // One argument: the call's header, then the counters (a second
         // argument costs Redis about 1,500 instructions).
         let mut head = [0u8; 25];
@@ -414,12 +436,17 @@ impl RedisStore {
         head[1..9].copy_from_slice(&self.now_arg(now_ms).to_be_bytes());
         head[9..17].copy_from_slice(&(cost as f64).to_be_bytes());
         head[17..25].copy_from_slice(&(nonce as f64).to_be_bytes());
-        inv.arg(spec(&head, counters, &index));
-        let reply: Vec<u8> = self.call(&inv, deadline).await?;
-        parse_outcome(&reply, counters.len()).ok_or_else(|| {
+        let arg = spec(&head, counters, &index);
+        let reply = self
+            .eval(&self.acquire, ACQUIRE, &keys, &[&arg], deadline)
+            .await?;
+        let outcome = match &reply {
+            Reply::Bulk(Some(bytes)) => parse_outcome(bytes, counters.len()),
+            _ => None,
+        };
+        outcome.ok_or_else(|| {
             StoreError::Unavailable(format!(
-                "acquire.lua answered {} bytes for {} counters",
-                reply.len(),
+                "acquire.lua answered {reply:?} for {} counters",
                 counters.len()
             ))
         })
@@ -462,8 +489,7 @@ impl RedisStore {
         now_ms: u64,
         deadline: Instant,
     ) -> Result<(), StoreError> {
-        let mut inv = self.refund.prepare_invoke();
-        let index = self.keys(&mut inv, counters)?;
+        let (keys, index) = self.keys(counters)?;
         let mut head = [0u8; 16];
         head[..8].copy_from_slice(&self.now_arg(now_ms).to_be_bytes());
         head[8..].copy_from_slice(&(cost as f64).to_be_bytes());
@@ -471,11 +497,48 @@ impl RedisStore {
             .iter()
             .flat_map(|&m| (m as f64).to_be_bytes())
             .collect();
-        inv.arg(&head[..])
-            .arg(spec(&[], counters, &index))
-            .arg(marks);
-        let _: i64 = self.call(&inv, deadline).await?;
+        let spec = spec(&[], counters, &index);
+        self.eval(
+            &self.refund,
+            REFUND,
+            &keys,
+            &[&head, &spec, &marks],
+            deadline,
+        )
+        .await?;
         Ok(())
+    }
+}
+
+/// `EVALSHA` (or `EVAL`) of a script, by hash (or text), over `keys` and `args`.
+fn script_command(verb: &[u8], script: &[u8], keys: &[Vec<u8>], args: &[&[u8]]) -> Command {
+    let bytes =
+        keys.iter().map(Vec::len).sum::<usize>() + args.iter().map(|a| a.len()).sum::<usize>();
+    let mut cmd = Command::new(3 + keys.len() + args.len(), script.len() + bytes);
+    cmd.arg(verb)
+        .arg(script)
+        .arg(keys.len().to_string().as_bytes());
+    for k in keys {
+        cmd.arg(k);
+    }
+    for a in args {
+        cmd.arg(a);
+    }
+    cmd
+}
+
+/// A redis-rs reply (from a cluster) as the pipe reads replies.
+fn reply_of(value: redis::Value) -> Reply {
+    use redis::Value;
+    match value {
+        Value::Nil => Reply::Bulk(None),
+        Value::Int(n) => Reply::Int(n),
+        Value::BulkString(b) => Reply::Bulk(Some(b)),
+        Value::SimpleString(s) => Reply::Status(s.into_bytes()),
+        Value::Okay => Reply::Status(b"OK".to_vec()),
+        Value::Array(items) => Reply::Array(Some(items.into_iter().map(reply_of).collect())),
+        Value::ServerError(e) => Reply::Error(format!("{e:?}")),
+        other => Reply::Error(format!("unexpected reply {other:?}")),
     }
 }
 

@@ -1,0 +1,558 @@
+//! A pipelined connection to one Redis server (the Redis store's, without
+//! `store.cluster`).
+//!
+//! Every caller's command goes into one buffer of one connection; a writer task
+//! sends whatever gathered since its last write, and a reader task hands each
+//! reply to the caller waiting for it, in order (Redis answers in order). It
+//! stands in for redis-rs's multiplexed connection, which passes each command
+//! through a channel, a codec and a general parser: about 5,000 instructions a
+//! decision more. A cluster still goes through redis-rs.
+//!
+//! The connection is made lazily, and again after any failure, by the first
+//! call that finds it down. One attempt runs at a time; the calls that waited
+//! for a failed one fail with it rather than each trying again (a burst of
+//! requests makes one attempt, a Redis back up is found by the next request).
+//! A call never waits longer than its caller's timeout, which wraps it.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, oneshot};
+use tokio::task::AbortHandle;
+
+/// Calls waiting for replies on one connection, at most: a Redis that stopped
+/// answering (but kept the connection) must not make the queue grow forever.
+const MAX_WAITING: usize = 10_000;
+
+/// A reply, as far as the store reads replies (RESP2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Status(Vec<u8>),
+    Error(String),
+    Int(i64),
+    Bulk(Option<Vec<u8>>),
+    Array(Option<Vec<Reply>>),
+}
+
+/// A command in RESP: an array of bulk strings.
+pub struct Command(Vec<u8>);
+
+impl Command {
+    /// A command of `args` arguments (the command's name included), sized for
+    /// `bytes` bytes of them.
+    pub fn new(args: usize, bytes: usize) -> Command {
+        let mut out = Vec::with_capacity(16 + bytes + 16 * args);
+        out.push(b'*');
+        push_decimal(&mut out, args);
+        out.extend_from_slice(b"\r\n");
+        Command(out)
+    }
+
+    pub fn arg(&mut self, arg: &[u8]) -> &mut Command {
+        self.0.push(b'$');
+        push_decimal(&mut self.0, arg.len());
+        self.0.extend_from_slice(b"\r\n");
+        self.0.extend_from_slice(arg);
+        self.0.extend_from_slice(b"\r\n");
+        self
+    }
+
+    /// A whole command from its arguments.
+    pub fn of(args: &[&[u8]]) -> Command {
+        let mut c = Command::new(args.len(), args.iter().map(|a| a.len()).sum());
+        for a in args {
+            c.arg(a);
+        }
+        c
+    }
+}
+
+fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+}
+
+/// Where and how to connect.
+pub struct Target {
+    pub host: String,
+    pub port: u16,
+    /// For `rediss://`: the TLS client and the name the certificate must carry.
+    pub tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub db: i64,
+}
+
+impl Target {
+    /// From a `redis://` or `rediss://` URL; `ca` (PEM) replaces the system
+    /// roots for `rediss://`.
+    pub fn from_url(url: &str, ca: Option<&[u8]>) -> Result<Target, String> {
+        use redis::{ConnectionAddr, IntoConnectionInfo};
+        let info = url.into_connection_info().map_err(|e| e.to_string())?;
+        let settings = info.redis_settings();
+        let (host, port, tls) = match info.addr() {
+            ConnectionAddr::Tcp(host, port) => (host.clone(), *port, None),
+            ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure,
+                ..
+            } => {
+                if *insecure {
+                    return Err("rediss:// without certificate checks is not supported".into());
+                }
+                let name = ServerName::try_from(host.clone())
+                    .map_err(|e| format!("{host}: not a TLS server name: {e}"))?;
+                (host.clone(), *port, Some((tls_connector(ca)?, name)))
+            }
+            _ => return Err("only redis:// and rediss:// URLs are supported".into()),
+        };
+        Ok(Target {
+            host,
+            port,
+            tls,
+            username: settings.username().map(str::to_string),
+            password: settings.password().map(str::to_string),
+            db: settings.db(),
+        })
+    }
+}
+
+fn tls_connector(ca: Option<&[u8]>) -> Result<tokio_rustls::TlsConnector, String> {
+    crate::tls::install_crypto();
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
+        Some(pem) => {
+            use rustls::pki_types::pem::PemObject;
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| format!("store.ca: bad PEM: {e}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("store.ca: not a usable CA certificate: {e}"))?;
+            }
+        }
+        None => {
+            for cert in rustls_native_certs::load_native_certs().certs {
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+/// The connection to one server, shared by every call.
+pub struct Pipe {
+    target: Target,
+    /// Bounds connecting, TLS and the handshake.
+    connect_timeout: Duration,
+    link: Mutex<Option<Arc<Link>>>,
+    /// Held while connecting; why the last attempt failed.
+    connecting: tokio::sync::Mutex<String>,
+    /// Attempts made so far.
+    attempts: AtomicU64,
+}
+
+impl Pipe {
+    pub fn new(target: Target, connect_timeout: Duration) -> Pipe {
+        Pipe {
+            target,
+            connect_timeout,
+            link: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(String::new()),
+            attempts: AtomicU64::new(0),
+        }
+    }
+
+    /// Sends `cmd` and waits for its reply. An error reply is a `Reply`, not
+    /// an `Err`; `Err` says the connection failed.
+    pub async fn call(&self, cmd: &Command) -> Result<Reply, String> {
+        let link = self.link().await?;
+        let reply = link.send(&cmd.0)?;
+        reply
+            .await
+            .unwrap_or_else(|_| Err("connection to Redis dropped".into()))
+    }
+
+    fn current(&self) -> Option<Arc<Link>> {
+        let link = self.link.lock().unwrap_or_else(|e| e.into_inner());
+        link.as_ref()
+            .filter(|l| !l.broken.load(Ordering::Acquire))
+            .cloned()
+    }
+
+    async fn link(&self) -> Result<Arc<Link>, String> {
+        if let Some(link) = self.current() {
+            return Ok(link);
+        }
+        let seen = self.attempts.load(Ordering::Acquire);
+        let mut last_error = self.connecting.lock().await;
+        // Another call may have connected while this one waited, or failed to.
+        if let Some(link) = self.current() {
+            return Ok(link);
+        }
+        if self.attempts.load(Ordering::Acquire) != seen {
+            return Err(last_error.clone());
+        }
+        let attempt = tokio::time::timeout(self.connect_timeout, connect(&self.target)).await;
+        self.attempts.fetch_add(1, Ordering::AcqRel);
+        match attempt {
+            Ok(Ok(link)) => {
+                *self.link.lock().unwrap_or_else(|e| e.into_inner()) = Some(link.clone());
+                Ok(link)
+            }
+            Ok(Err(e)) => {
+                last_error.clone_from(&e);
+                Err(e)
+            }
+            Err(_) => {
+                *last_error = "timed out connecting to Redis".into();
+                Err(last_error.clone())
+            }
+        }
+    }
+}
+
+type Waiter = oneshot::Sender<Result<Reply, String>>;
+
+/// One live connection: its outgoing bytes and the calls waiting, in order.
+struct Link {
+    state: Mutex<LinkState>,
+    broken: AtomicBool,
+    /// Wakes the writer when bytes are waiting (or the link broke).
+    wake: Notify,
+    reader: OnceLock<AbortHandle>,
+}
+
+struct LinkState {
+    out: Vec<u8>,
+    waiting: VecDeque<Waiter>,
+    /// Why the link broke, once it did.
+    error: Option<String>,
+}
+
+impl Link {
+    fn send(&self, cmd: &[u8]) -> Result<oneshot::Receiver<Result<Reply, String>>, String> {
+        let (tx, rx) = oneshot::channel();
+        let was_empty = {
+            let mut s = self.lock();
+            if let Some(e) = &s.error {
+                return Err(e.clone());
+            }
+            if s.waiting.len() >= MAX_WAITING {
+                return Err("too many calls waiting for Redis".into());
+            }
+            s.waiting.push_back(tx);
+            let was_empty = s.out.is_empty();
+            s.out.extend_from_slice(cmd);
+            was_empty
+        };
+        // Bytes already waiting mean the writer was woken for them.
+        if was_empty {
+            self.wake.notify_one();
+        }
+        Ok(rx)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LinkState> {
+        // Nothing is left half-done under this lock: a poisoned one is usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands `reply` to the oldest waiting call (which may have given up).
+    fn deliver(&self, reply: Reply) -> Result<(), String> {
+        let waiter = self.lock().waiting.pop_front();
+        match waiter {
+            Some(w) => {
+                let _ = w.send(Ok(reply));
+                Ok(())
+            }
+            None => Err("Redis sent a reply nobody asked for".into()),
+        }
+    }
+
+    /// Breaks the link: every waiting call gets `error`, both tasks stop.
+    fn fail(&self, error: String) {
+        self.broken.store(true, Ordering::Release);
+        let waiting = {
+            let mut s = self.lock();
+            if s.error.is_none() {
+                s.error = Some(error.clone());
+            }
+            std::mem::take(&mut s.waiting)
+        };
+        for w in waiting {
+            let _ = w.send(Err(error.clone()));
+        }
+        self.wake.notify_one();
+        if let Some(reader) = self.reader.get() {
+            reader.abort();
+        }
+    }
+}
+
+async fn connect(t: &Target) -> Result<Arc<Link>, String> {
+    let unreachable =
+        |e: std::io::Error| format!("cannot connect to Redis at {}:{}: {e}", t.host, t.port);
+    let tcp = TcpStream::connect((t.host.as_str(), t.port))
+        .await
+        .map_err(unreachable)?;
+    let _ = tcp.set_nodelay(true);
+    match &t.tls {
+        None => {
+            let (r, w) = tcp.into_split();
+            start(r, w, t).await
+        }
+        Some((tls, name)) => {
+            let stream = tls
+                .connect(name.clone(), tcp)
+                .await
+                .map_err(|e| format!("TLS with Redis at {}:{} failed: {e}", t.host, t.port))?;
+            let (r, w) = tokio::io::split(stream);
+            start(r, w, t).await
+        }
+    }
+}
+
+/// Authenticates and selects the database, then starts the link's tasks.
+async fn start<R, W>(mut r: R, mut w: W, t: &Target) -> Result<Arc<Link>, String>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let mut hello = Vec::new();
+    let mut expect = 0;
+    if let Some(password) = &t.password {
+        let auth = match &t.username {
+            Some(user) => Command::of(&[b"AUTH", user.as_bytes(), password.as_bytes()]),
+            None => Command::of(&[b"AUTH", password.as_bytes()]),
+        };
+        hello.extend_from_slice(&auth.0);
+        expect += 1;
+    }
+    if t.db != 0 {
+        let db = t.db.to_string();
+        hello.extend_from_slice(&Command::of(&[b"SELECT", db.as_bytes()]).0);
+        expect += 1;
+    }
+    let io = |e: std::io::Error| format!("Redis connection failed: {e}");
+    let mut buf = Vec::with_capacity(16 * 1024);
+    if expect > 0 {
+        w.write_all(&hello).await.map_err(io)?;
+        let mut at = 0;
+        while expect > 0 {
+            match parse(&buf[at..])? {
+                Some((reply, n)) => {
+                    at += n;
+                    expect -= 1;
+                    if let Reply::Error(e) = reply {
+                        return Err(format!("Redis refused the connection: {e}"));
+                    }
+                }
+                None => {
+                    if r.read_buf(&mut buf).await.map_err(io)? == 0 {
+                        return Err("Redis closed the connection".into());
+                    }
+                }
+            }
+        }
+        buf.drain(..at);
+    }
+    let link = Arc::new(Link {
+        state: Mutex::new(LinkState {
+            out: Vec::new(),
+            waiting: VecDeque::new(),
+            error: None,
+        }),
+        broken: AtomicBool::new(false),
+        wake: Notify::new(),
+        reader: OnceLock::new(),
+    });
+    tokio::spawn(write_loop(link.clone(), w));
+    let reader = tokio::spawn(read_loop(link.clone(), r, buf));
+    let _ = link.reader.set(reader.abort_handle());
+    Ok(link)
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(link: Arc<Link>, mut w: W) {
+    let mut sending = Vec::new();
+    loop {
+        link.wake.notified().await;
+        {
+            let mut s = link.lock();
+            if s.error.is_some() {
+                return;
+            }
+            std::mem::swap(&mut s.out, &mut sending);
+        }
+        if sending.is_empty() {
+            continue;
+        }
+        if let Err(e) = w.write_all(&sending).await {
+            link.fail(format!("Redis connection failed: {e}"));
+            return;
+        }
+        sending.clear();
+    }
+}
+
+async fn read_loop<R: AsyncRead + Unpin>(link: Arc<Link>, mut r: R, mut buf: Vec<u8>) {
+    let error = loop {
+        let mut at = 0;
+        let parsed = loop {
+            match parse(&buf[at..]) {
+                Ok(Some((reply, n))) => {
+                    at += n;
+                    if let Err(e) = link.deliver(reply) {
+                        break Err(e);
+                    }
+                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        if let Err(e) = parsed {
+            break e;
+        }
+        buf.drain(..at);
+        if buf.capacity() - buf.len() < 4096 {
+            buf.reserve(16 * 1024);
+        }
+        match r.read_buf(&mut buf).await {
+            Ok(0) => break "Redis closed the connection".to_string(),
+            Ok(_) => {}
+            Err(e) => break format!("Redis connection failed: {e}"),
+        }
+    };
+    link.fail(error);
+}
+
+/// One reply from the front of `buf` and its length, or `None` when it is not
+/// all there yet.
+fn parse(buf: &[u8]) -> Result<Option<(Reply, usize)>, String> {
+    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        return Ok(None);
+    };
+    let (kind, line, next) = match buf.first() {
+        Some(&k) => (k, &buf[1..end], end + 2),
+        None => return Ok(None),
+    };
+    let number = || -> Result<i64, String> {
+        std::str::from_utf8(line)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| "Redis sent a malformed reply".to_string())
+    };
+    Ok(Some(match kind {
+        b'+' => (Reply::Status(line.to_vec()), next),
+        b'-' => (
+            Reply::Error(String::from_utf8_lossy(line).into_owned()),
+            next,
+        ),
+        b':' => (Reply::Int(number()?), next),
+        b'$' => {
+            let len = number()?;
+            if len < 0 {
+                return Ok(Some((Reply::Bulk(None), next)));
+            }
+            let len = len as usize;
+            if buf.len() < next + len + 2 {
+                return Ok(None);
+            }
+            (
+                Reply::Bulk(Some(buf[next..next + len].to_vec())),
+                next + len + 2,
+            )
+        }
+        b'*' => {
+            let count = number()?;
+            if count < 0 {
+                return Ok(Some((Reply::Array(None), next)));
+            }
+            let mut items = Vec::with_capacity((count as usize).min(64));
+            let mut at = next;
+            for _ in 0..count {
+                match parse(&buf[at..])? {
+                    Some((item, n)) => {
+                        items.push(item);
+                        at += n;
+                    }
+                    None => return Ok(None),
+                }
+            }
+            (Reply::Array(Some(items)), at)
+        }
+        _ => return Err("Redis sent a malformed reply".into()),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_are_arrays_of_bulk_strings() {
+        let c = Command::of(&[b"GET", b"k\r\n"]);
+        assert_eq!(c.0, b"*2\r\n$3\r\nGET\r\n$3\r\nk\r\n\r\n");
+    }
+
+    #[test]
+    fn replies_are_read_whole_or_not_at_all() {
+        let all = b"+OK\r\n-NOSCRIPT No matching script\r\n:-3\r\n$3\r\na\r\n\r\n$-1\r\n*2\r\n:1\r\n$0\r\n\r\n";
+        let want = [
+            Reply::Status(b"OK".to_vec()),
+            Reply::Error("NOSCRIPT No matching script".into()),
+            Reply::Int(-3),
+            Reply::Bulk(Some(b"a\r\n".to_vec())),
+            Reply::Bulk(None),
+            Reply::Array(Some(vec![Reply::Int(1), Reply::Bulk(Some(Vec::new()))])),
+        ];
+        let mut at = 0;
+        for w in &want {
+            // Every cut short of the whole reply waits for more.
+            let (reply, n) = parse(&all[at..]).unwrap().unwrap();
+            for cut in 0..n {
+                assert_eq!(
+                    parse(&all[at..at + cut]).unwrap(),
+                    None,
+                    "{w:?} cut at {cut}"
+                );
+            }
+            assert_eq!(&reply, w);
+            at += n;
+        }
+        assert_eq!(at, all.len());
+        assert!(parse(b"?x\r\n").is_err());
+        assert!(parse(b":12a\r\n").is_err());
+    }
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::*;
+
+    #[test]
+    fn targets_are_read_from_urls() {
+        let t = Target::from_url("redis://user:pw@127.0.0.1:1234/3", None).unwrap();
+        assert_eq!((t.host.as_str(), t.port, t.db), ("127.0.0.1", 1234, 3));
+        assert_eq!((t.username.as_deref(), t.password.as_deref()), (Some("user"), Some("pw")));
+        let t = Target::from_url("redis://:pw@127.0.0.1:1234/3", None).unwrap();
+        assert_eq!((t.username.as_deref(), t.password.as_deref(), t.db), (None, Some("pw"), 3));
+    }
+}
