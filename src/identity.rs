@@ -74,38 +74,41 @@ pub fn identify(
     headers: &HeaderMap,
     query: Option<&str>,
 ) -> Identity {
-    let value = match spec {
-        KeySpec::Ip => None,
-        KeySpec::Global => {
-            return Identity {
-                spec: KeySpec::Global,
-                value: Vec::new(),
-            };
+    let mut value = Vec::new();
+    let spec = identify_into(spec, client, headers, query, &mut value).clone();
+    Identity { spec, value }
+}
+
+/// [`identify`] without allocating: writes the value into `out` (emptied
+/// first) and returns the spec it is counted under.
+pub fn identify_into<'a>(
+    spec: &'a KeySpec,
+    client: IpAddr,
+    headers: &HeaderMap,
+    query: Option<&str>,
+    out: &mut Vec<u8>,
+) -> &'a KeySpec {
+    static IP: KeySpec = KeySpec::Ip;
+    out.clear();
+    match spec {
+        KeySpec::Ip => {}
+        KeySpec::Global => return spec,
+        KeySpec::Header(name) => push_header_value(out, headers, name),
+        KeySpec::Query(name) => {
+            if let Some(q) = query {
+                push_query_value(out, q, name);
+            }
         }
-        KeySpec::Header(name) => header_value(headers, name),
-        KeySpec::Query(name) => query.and_then(|q| query_value(q, name)),
-    };
-    match value {
-        Some(value) if !value.is_empty() => Identity {
-            spec: spec.clone(),
-            value,
-        },
-        _ => Identity {
-            spec: KeySpec::Ip,
-            value: ip_text(client),
-        },
     }
+    if !out.is_empty() {
+        return spec;
+    }
+    push_ip_text(out, client);
+    &IP
 }
 
-/// The address as `Display` writes it; IPv4, the usual case, without the
-/// formatting machinery.
-fn ip_text(ip: IpAddr) -> Vec<u8> {
-    let mut out = Vec::with_capacity(15);
-    push_ip_text(&mut out, ip);
-    out
-}
-
-/// Appends what [`ip_text`] returns.
+/// Appends the address as `Display` writes it; IPv4, the usual case, without
+/// the formatting machinery.
 pub fn push_ip_text(out: &mut Vec<u8>, ip: IpAddr) {
     let IpAddr::V4(v4) = ip else {
         out.extend_from_slice(ip.to_string().as_bytes());
@@ -125,38 +128,27 @@ pub fn push_ip_text(out: &mut Vec<u8>, ip: IpAddr) {
     }
 }
 
-/// All values of a header, joined with ", " as HTTP defines: a second copy of
-/// the header makes a different identity, never a fresh copy of the first.
-fn header_value(headers: &HeaderMap, name: &http::HeaderName) -> Option<Vec<u8>> {
-    let mut out: Option<Vec<u8>> = None;
-    for v in headers.get_all(name) {
-        match &mut out {
-            None => out = Some(v.as_bytes().to_vec()),
-            Some(buf) => {
-                buf.extend_from_slice(b", ");
-                buf.extend_from_slice(v.as_bytes());
-            }
+/// Appends all values of a header, joined with ", " as HTTP defines: a second
+/// copy of the header makes a different identity, never a fresh copy of the
+/// first.
+fn push_header_value(out: &mut Vec<u8>, headers: &HeaderMap, name: &http::HeaderName) {
+    for (i, v) in headers.get_all(name).iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
         }
+        out.extend_from_slice(v.as_bytes());
     }
-    out
 }
 
-/// All values of a query parameter, percent-decoded and joined with ", ".
-fn query_value(query: &str, name: &str) -> Option<Vec<u8>> {
-    let mut out: Option<Vec<u8>> = None;
-    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
-        if k != name {
-            continue;
+/// Appends all values of a query parameter, percent-decoded and joined with ", ".
+fn push_query_value(out: &mut Vec<u8>, query: &str, name: &str) {
+    let values = form_urlencoded::parse(query.as_bytes()).filter(|(k, _)| k == name);
+    for (i, (_, v)) in values.enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
         }
-        match &mut out {
-            None => out = Some(v.as_bytes().to_vec()),
-            Some(buf) => {
-                buf.extend_from_slice(b", ");
-                buf.extend_from_slice(v.as_bytes());
-            }
-        }
+        out.extend_from_slice(v.as_bytes());
     }
-    out
 }
 
 #[cfg(test)]
@@ -165,6 +157,12 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
+    }
+
+    fn ip_text(ip: IpAddr) -> Vec<u8> {
+        let mut out = Vec::new();
+        push_ip_text(&mut out, ip);
+        out
     }
 
     #[test]

@@ -90,7 +90,7 @@ impl Limiter {
         query: Option<&str>,
         cache: &KeyCache,
     ) -> Result<Verdict, StoreError> {
-        let set = cache.counters(policy, identities(policy, client, headers, query));
+        let set = cache.counters(policy, client, headers, query);
         let (counters, limit_of) = (&set.list, &set.limit_of);
         let charge = policy.charge == Charge::Reserve;
         let now = self.clock.now_ms();
@@ -319,19 +319,37 @@ impl Counters {
 /// request whose policy and identities match reuses them. Policies are
 /// compared by pointer: a reload makes new ones, so old counters never serve.
 #[derive(Default)]
-pub struct KeyCache(Mutex<Option<Arc<Counters>>>);
+pub struct KeyCache(Mutex<Cached>);
+
+#[derive(Default)]
+struct Cached {
+    last: Option<Arc<Counters>>,
+    /// Where a request's identity values are written to be compared.
+    scratch: Vec<u8>,
+}
 
 impl KeyCache {
-    fn counters(&self, policy: &Arc<Policy>, ids: Vec<Identity>) -> Arc<Counters> {
+    fn counters(
+        &self,
+        policy: &Arc<Policy>,
+        client: IpAddr,
+        headers: &HeaderMap,
+        query: Option<&str>,
+    ) -> Arc<Counters> {
         // A poisoned lock only means a panic elsewhere: the cache is still
         // whole (it is replaced, never edited in place).
-        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = &*last
+        let mut cached = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let Cached { last, scratch } = &mut *cached;
+        if let Some(c) = last
             && Arc::ptr_eq(&c.policy, policy)
-            && c.ids == ids
+            && policy.specs.iter().zip(&c.ids).all(|(spec, id)| {
+                let counted_as = identity::identify_into(spec, client, headers, query, scratch);
+                *counted_as == id.spec && *scratch == id.value
+            })
         {
             return c.clone();
         }
+        let ids = identities(policy, client, headers, query);
         let built = Arc::new(Counters::build(policy, ids));
         *last = Some(built.clone());
         built
