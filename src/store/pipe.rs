@@ -541,18 +541,19 @@ mod tests {
         assert!(parse(b"?x\r\n").is_err());
         assert!(parse(b":12a\r\n").is_err());
     }
-}
-
-#[cfg(test)]
-mod url_tests {
-    use super::*;
 
     #[test]
     fn targets_are_read_from_urls() {
         let t = Target::from_url("redis://user:pw@127.0.0.1:1234/3", None).unwrap();
         assert_eq!((t.host.as_str(), t.port, t.db), ("127.0.0.1", 1234, 3));
-        assert_eq!((t.username.as_deref(), t.password.as_deref()), (Some("user"), Some("pw")));
+        assert_eq!(
+            (t.username.as_deref(), t.password.as_deref()),
+            (Some("user"), Some("pw"))
+        );
         let t = Target::from_url("redis://:pw@127.0.0.1:1234/3", None).unwrap();
-        assert_eq!((t.username.as_deref(), t.password.as_deref(), t.db), (None, Some("pw"), 3));
+        assert_eq!(
+            (t.username.as_deref(), t.password.as_deref(), t.db),
+            (None, Some("pw"), 3)
+        );
     }
 }
