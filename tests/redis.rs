@@ -537,25 +537,20 @@ async fn the_database_in_the_url_is_used() {
         unreachable!()
     };
     let mut conn = redis.conn();
-    let in_5: Vec<String> = redis::pipe()
-        .cmd("SELECT")
-        .arg(5)
-        .ignore()
-        .cmd("KEYS")
-        .arg("t:*")
-        .query(&mut conn)
-        .map(|(keys,): (Vec<String>,)| keys)
-        .unwrap();
+    let mut keys_in = |db: i64| -> Vec<String> {
+        let (keys,): (Vec<String>,) = redis::pipe()
+            .cmd("SELECT")
+            .arg(db)
+            .ignore()
+            .cmd("KEYS")
+            .arg("t:*")
+            .query(&mut conn)
+            .unwrap();
+        keys
+    };
+    let in_5 = keys_in(5);
     assert_eq!(in_5.len(), 1, "{in_5:?}");
-    let in_0: Vec<String> = redis::pipe()
-        .cmd("SELECT")
-        .arg(0)
-        .ignore()
-        .cmd("KEYS")
-        .arg("t:*")
-        .query(&mut conn)
-        .map(|(keys,): (Vec<String>,)| keys)
-        .unwrap();
+    let in_0 = keys_in(0);
     assert!(in_0.is_empty(), "{in_0:?}");
 }
 

@@ -199,12 +199,7 @@ impl RedisStore {
                 }
             }
         };
-        match tokio::time::timeout_at(deadline, call).await {
-            Err(_) => Err(StoreError::Timeout),
-            Ok(Err(e)) => Err(StoreError::Unavailable(e)),
-            Ok(Ok(Reply::Error(e))) => Err(StoreError::Unavailable(e)),
-            Ok(Ok(reply)) => Ok(reply),
-        }
+        answer(deadline, call).await
     }
 
     fn is_cluster(&self) -> bool {
@@ -306,12 +301,7 @@ impl RedisStore {
                 }
             }
         };
-        match tokio::time::timeout_at(deadline, call).await {
-            Err(_) => Err(StoreError::Timeout),
-            Ok(Err(e)) => Err(StoreError::Unavailable(e)),
-            Ok(Ok(Reply::Error(e))) => Err(StoreError::Unavailable(e)),
-            Ok(Ok(reply)) => Ok(reply),
-        }
+        answer(deadline, call).await
     }
 
     /// Checks (mode 0), checks and charges (1) or charges (2) `counters`; see
@@ -507,6 +497,19 @@ impl RedisStore {
         )
         .await?;
         Ok(())
+    }
+}
+
+/// The reply of `call` by `deadline`; an error reply is an error.
+async fn answer(
+    deadline: Instant,
+    call: impl std::future::Future<Output = Result<Reply, String>>,
+) -> Result<Reply, StoreError> {
+    match tokio::time::timeout_at(deadline, call).await {
+        Err(_) => Err(StoreError::Timeout),
+        Ok(Err(e)) => Err(StoreError::Unavailable(e)),
+        Ok(Ok(Reply::Error(e))) => Err(StoreError::Unavailable(e)),
+        Ok(Ok(reply)) => Ok(reply),
     }
 }
 
