@@ -79,8 +79,8 @@ impl Limiter {
     }
 
     /// Decides one request: every limit of the policy, for every identity, in
-    /// one store call. A rejection charges nothing. `cache` is the
-    /// connection's (see [`KeyCache`]).
+    /// one store call. A rejection charges nothing. `keys` is the
+    /// connection's cache of counters (see [`KeyCache`]).
     pub async fn decide(
         &self,
         policy: &Arc<Policy>,
@@ -88,9 +88,9 @@ impl Limiter {
         client: IpAddr,
         headers: &HeaderMap,
         query: Option<&str>,
-        cache: &KeyCache,
+        keys: &KeyCache,
     ) -> Result<Verdict, StoreError> {
-        let set = cache.counters(policy, client, headers, query);
+        let set = keys.counters(policy, client, headers, query);
         let (counters, limit_of) = (&set.list, &set.limit_of);
         let charge = policy.charge == Charge::Reserve;
         let now = self.clock.now_ms();
