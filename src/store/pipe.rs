@@ -62,6 +62,13 @@ impl Command {
         self
     }
 
+    /// A number as an argument, in decimal, without formatting a `String`.
+    pub fn arg_number(&mut self, n: usize) -> &mut Command {
+        let mut digits = [0u8; 20];
+        let at = decimal(n, &mut digits);
+        self.arg(&digits[at..])
+    }
+
     /// A whole command from its arguments.
     pub fn of(args: &[&[u8]]) -> Command {
         let mut c = Command::new(args.len(), args.iter().map(|a| a.len()).sum());
@@ -72,18 +79,23 @@ impl Command {
     }
 }
 
-fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
+fn push_decimal(out: &mut Vec<u8>, n: usize) {
     let mut digits = [0u8; 20];
+    let at = decimal(n, &mut digits);
+    out.extend_from_slice(&digits[at..]);
+}
+
+/// Writes `n` in decimal at the end of `digits`; returns where it starts.
+fn decimal(mut n: usize, digits: &mut [u8; 20]) -> usize {
     let mut at = digits.len();
     loop {
         at -= 1;
         digits[at] = b'0' + (n % 10) as u8;
         n /= 10;
         if n == 0 {
-            break;
+            return at;
         }
     }
-    out.extend_from_slice(&digits[at..]);
 }
 
 /// Where and how to connect.
@@ -510,6 +522,9 @@ mod tests {
     fn commands_are_arrays_of_bulk_strings() {
         let c = Command::of(&[b"GET", b"k\r\n"]);
         assert_eq!(c.0, b"*2\r\n$3\r\nGET\r\n$3\r\nk\r\n\r\n");
+        let mut n = Command::new(2, 0);
+        n.arg_number(0).arg_number(1234567890);
+        assert_eq!(n.0, b"*2\r\n$1\r\n0\r\n$10\r\n1234567890\r\n");
     }
 
     #[test]

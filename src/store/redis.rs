@@ -518,9 +518,7 @@ fn script_command(verb: &[u8], script: &[u8], keys: &[Vec<u8>], args: &[&[u8]]) 
     let bytes =
         keys.iter().map(Vec::len).sum::<usize>() + args.iter().map(|a| a.len()).sum::<usize>();
     let mut cmd = Command::new(3 + keys.len() + args.len(), script.len() + bytes);
-    cmd.arg(verb)
-        .arg(script)
-        .arg(keys.len().to_string().as_bytes());
+    cmd.arg(verb).arg(script).arg_number(keys.len());
     for k in keys {
         cmd.arg(k);
     }
