@@ -222,7 +222,10 @@ impl Pipe {
         if self.attempts.load(Ordering::Acquire) != seen {
             return Err(last_error.clone());
         }
-        let attempt = tokio::time::timeout(self.connect_timeout, connect(&self.target)).await;
+        // Boxed: connecting is rare, and its (TLS) state would otherwise
+        // make every call's future, and every decision's, larger.
+        let attempt =
+            tokio::time::timeout(self.connect_timeout, Box::pin(connect(&self.target))).await;
         self.attempts.fetch_add(1, Ordering::AcqRel);
         match attempt {
             Ok(Ok(link)) => {

@@ -292,12 +292,17 @@ impl RedisStore {
                     args.iter().for_each(|a| {
                         inv.arg(*a);
                     });
-                    let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
-                    let value: redis::Value = inv
-                        .invoke_async(&mut conn)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    Ok(reply_of(value))
+                    // Boxed: a cluster call's state is large, and every
+                    // decision's future would otherwise carry it and move it.
+                    Box::pin(async {
+                        let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
+                        let value: redis::Value = inv
+                            .invoke_async(&mut conn)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        Ok(reply_of(value))
+                    })
+                    .await
                 }
             }
         };
