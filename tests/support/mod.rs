@@ -402,8 +402,8 @@ impl RedisServer {
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("redis-server must be installed (.ci/run installs it)");
-        let server = RedisServer { port, child };
-        wait_for_ping(&server);
+        let mut server = RedisServer { port, child };
+        assert!(wait_for_ping(&mut server), "redis-server exited at start");
         server
     }
 
@@ -540,24 +540,7 @@ impl RedisCluster {
             NEXT_CLUSTER.fetch_add(1, Ordering::SeqCst)
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut nodes = Vec::new();
-        for _ in 0..masters * 2 {
-            let port = free_cluster_port();
-            let child = std::process::Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
-                .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
-                .arg("--dir")
-                .arg(&dir)
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed (.ci/run installs it)");
-            nodes.push(RedisServer { port, child });
-        }
-        for n in &nodes {
-            wait_for_ping(n);
-        }
+        let nodes: Vec<RedisServer> = (0..masters * 2).map(|_| start_cluster_node(&dir)).collect();
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
@@ -749,13 +732,41 @@ fn free_cluster_port() -> u16 {
     }
 }
 
-fn wait_for_ping(server: &RedisServer) {
+/// A cluster node on a free port. Another process can take the port, or its
+/// bus port (+10,000), between the check and the start (tests run in
+/// parallel); the node then exits, and it is started again on other ports.
+fn start_cluster_node(dir: &std::path::Path) -> RedisServer {
+    for _ in 0..10 {
+        let port = free_cluster_port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+            .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+            .arg("--dir")
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (.ci/run installs it)");
+        let mut node = RedisServer { port, child };
+        if wait_for_ping(&mut node) {
+            return node;
+        }
+    }
+    panic!("no cluster node could start in 10 attempts");
+}
+
+/// Waits until `server` answers (true) or its process has exited (false).
+fn wait_for_ping(server: &mut RedisServer) -> bool {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         if let Ok(mut c) = server.client().get_connection()
             && redis::cmd("PING").query::<String>(&mut c).is_ok()
         {
-            return;
+            return true;
+        }
+        if matches!(server.child.try_wait(), Ok(Some(_))) {
+            return false;
         }
         assert!(
             std::time::Instant::now() < deadline,
