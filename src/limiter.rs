@@ -15,7 +15,7 @@ use crate::clock::Clock;
 use crate::config::{Charge, KeySpec, Mode, Policy};
 use crate::deny_cache::DenyCache;
 use crate::identity::{self, Identity};
-use crate::store::{Counter, Store, StoreError};
+use crate::store::{Counter, Memo, Store, StoreError};
 
 pub struct Limiter {
     store: Store,
@@ -103,7 +103,9 @@ impl Limiter {
         {
             return Ok(Verdict::Limited { binding });
         }
-        let outcome = self.store.acquire(counters, cost, charge, now).await?;
+        let outcome = (self.store)
+            .acquire(counters, Some(&set.memo), cost, charge, now)
+            .await?;
         let binding = |i: usize| {
             let s = outcome.states[i];
             let l = &policy.limits[limit_of[i]];
@@ -238,7 +240,7 @@ impl Limiter {
         }
         let outcome = self
             .store
-            .acquire(&counters, 0, false, self.clock.now_ms())
+            .acquire(&counters, None, 0, false, self.clock.now_ms())
             .await?;
         Ok(found
             .into_iter()
@@ -280,6 +282,8 @@ pub struct Counters {
     list: Vec<Counter>,
     /// For each counter, the index of its limit in the policy.
     limit_of: Vec<usize>,
+    /// The store's encoding of `list`, kept while the connection reuses it.
+    memo: Memo,
 }
 
 impl Counters {
@@ -309,6 +313,7 @@ impl Counters {
             ids,
             list,
             limit_of,
+            memo: Memo::default(),
         }
     }
 }

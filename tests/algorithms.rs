@@ -11,7 +11,7 @@ use std::time::Duration;
 use sluice::config::{Algorithm, Backend, ClockSource, OnError, StoreConfig};
 use sluice::store::memory::MemoryStore;
 use sluice::store::redis::RedisStore;
-use sluice::store::{Counter, Outcome};
+use sluice::store::{Counter, Memo, Outcome};
 use support::{RedisCluster, RedisServer};
 
 /// A small deterministic PRNG (xorshift64*): reproducible random sequences.
@@ -116,6 +116,7 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
                     .collect()
             })
             .collect();
+        let memos: [Memo; 3] = Default::default();
         let mut now = T0;
         let (mut allowed, mut denied, mut refunds) = (0, 0, 0);
         let mut tickets: Vec<Ticket> = Vec::new();
@@ -132,9 +133,14 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
                     }
                 }
                 _ => {
-                    let mut counters = per_identity[rng.below(3) as usize].clone();
+                    let who = rng.below(3) as usize;
+                    let mut counters = per_identity[who].clone();
                     let single = counters.len();
+                    // One identity's counters go with its memo, as a
+                    // connection's cached counters do; two identities' without.
+                    let mut memo = Some(&memos[who]);
                     if rng.below(4) == 0 {
+                        memo = None;
                         counters.extend(per_identity[rng.below(3) as usize].iter().cloned());
                         counters.dedup_by(|a, b| a.key == b.key);
                         let mut seen = std::collections::HashSet::new();
@@ -144,7 +150,7 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
                     let charge = rng.below(5) != 0;
                     let m: Outcome = memory.acquire(&counters, cost, charge, now);
                     let r: Outcome = store
-                        .acquire(&counters, cost, u8::from(charge), now)
+                        .acquire(&counters, memo, cost, u8::from(charge), now)
                         .await
                         .unwrap();
                     assert_eq!(
@@ -326,7 +332,7 @@ async fn redis_log_counts_thousands_in_one_millisecond_across_instances() {
         // Every request at the same millisecond.
         tasks.push(tokio::spawn(async move {
             store
-                .acquire(std::slice::from_ref(&c), 1, 1, T0)
+                .acquire(std::slice::from_ref(&c), None, 1, 1, T0)
                 .await
                 .unwrap()
                 .allowed

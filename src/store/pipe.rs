@@ -40,6 +40,7 @@ pub enum Reply {
 }
 
 /// A command in RESP: an array of bulk strings.
+#[derive(Debug, Clone)]
 pub struct Command(Vec<u8>);
 
 impl Command {
@@ -67,6 +68,17 @@ impl Command {
         let mut digits = [0u8; 20];
         let at = decimal(n, &mut digits);
         self.arg(&digits[at..])
+    }
+
+    /// Overwrites the command's bytes from `at` with `bytes` (the same length:
+    /// an argument's value, whose length is already written before it).
+    pub fn overwrite(&mut self, at: usize, bytes: &[u8]) {
+        self.0[at..at + bytes.len()].copy_from_slice(bytes);
+    }
+
+    /// How many bytes the command takes.
+    pub fn len(&self) -> usize {
+        self.0.len()
     }
 
     /// A whole command from its arguments.

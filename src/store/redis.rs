@@ -31,7 +31,7 @@ use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use super::pipe::{Command, Pipe, Reply, Target};
-use super::{Counter, CounterState, Outcome, StoreError};
+use super::{Counter, CounterState, Memo, Outcome, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
 static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
@@ -310,10 +310,11 @@ impl RedisStore {
     }
 
     /// Checks (mode 0), checks and charges (1) or charges (2) `counters`; see
-    /// `lua/acquire.lua`.
+    /// `lua/acquire.lua`. `memo` (see [`Memo`]) belongs to `counters`.
     pub async fn acquire(
         &self,
         counters: &[Counter],
+        memo: Option<&Memo>,
         cost: u64,
         mode: u8,
         now_ms: u64,
@@ -324,7 +325,7 @@ impl RedisStore {
         let groups = self.slot_groups(counters);
         if groups.len() <= 1 {
             return self
-                .acquire_one(counters, cost, mode, now_ms, deadline)
+                .acquire_one(counters, memo, cost, mode, now_ms, deadline)
                 .await;
         }
         let mut out = Outcome {
@@ -344,7 +345,10 @@ impl RedisStore {
         let mut charged: Vec<(Vec<Counter>, Vec<u64>)> = Vec::new();
         for group in groups {
             let part: Vec<Counter> = group.iter().map(|&i| counters[i].clone()).collect();
-            let o = match self.acquire_one(&part, cost, mode, now_ms, deadline).await {
+            let o = match self
+                .acquire_one(&part, None, cost, mode, now_ms, deadline)
+                .await
+            {
                 Ok(o) => o,
                 Err(e) => {
                     self.give_back(charged, cost, now_ms, deadline).await;
@@ -417,24 +421,32 @@ impl RedisStore {
     async fn acquire_one(
         &self,
         counters: &[Counter],
+        memo: Option<&Memo>,
         cost: u64,
         mode: u8,
         now_ms: u64,
         deadline: Instant,
     ) -> Result<Outcome, StoreError> {
         let nonce = self.nonce.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1);
-        let (keys, index) = self.keys(counters)?;
         // One argument: the call's header, then the counters (a second
         // argument costs Redis about 1,500 instructions).
-        let mut head = [0u8; 25];
+        let mut head = [0u8; HEAD];
         head[0] = mode;
         head[1..9].copy_from_slice(&self.now_arg(now_ms).to_be_bytes());
         head[9..17].copy_from_slice(&(cost as f64).to_be_bytes());
         head[17..25].copy_from_slice(&(nonce as f64).to_be_bytes());
-        let arg = spec(&head, counters, &index);
-        let reply = self
-            .eval(&self.acquire, ACQUIRE, &keys, &[&arg], deadline)
-            .await?;
+        let reply = match (&self.conn, memo) {
+            (Conn::Single(pipe), Some(memo)) => {
+                self.acquire_memo(pipe, memo, counters, &head, deadline)
+                    .await?
+            }
+            _ => {
+                let (keys, index) = self.keys(counters)?;
+                let arg = spec(&head, counters, &index);
+                self.eval(&self.acquire, ACQUIRE, &keys, &[&arg], deadline)
+                    .await?
+            }
+        };
         let outcome = match &reply {
             Reply::Bulk(Some(bytes)) => parse_outcome(bytes, counters.len()),
             _ => None,
@@ -445,6 +457,45 @@ impl RedisStore {
                 counters.len()
             ))
         })
+    }
+
+    /// acquire.lua's `EVALSHA` as `memo` keeps it for `counters` (made now if
+    /// it is not yet), with `head` written in; on `NOSCRIPT`, `EVAL` built
+    /// the long way.
+    async fn acquire_memo(
+        &self,
+        pipe: &Pipe,
+        memo: &Memo,
+        counters: &[Counter],
+        head: &[u8; HEAD],
+        deadline: Instant,
+    ) -> Result<Reply, StoreError> {
+        let (template, at) = match memo.0.get() {
+            Some(kept) => kept,
+            None => {
+                let (keys, index) = self.keys(counters)?;
+                let arg = spec(head, counters, &index);
+                let hash = self.acquire.get_hash().as_bytes();
+                let cmd = script_command(b"EVALSHA", hash, &keys, &[&arg]);
+                // The argument comes last, then its "\r\n".
+                let at = cmd.len() - 2 - arg.len();
+                memo.0.get_or_init(|| (cmd, at))
+            }
+        };
+        let mut cmd = template.clone();
+        cmd.overwrite(*at, head);
+        let call = async {
+            match pipe.call(&cmd).await? {
+                Reply::Error(e) if e.starts_with("NOSCRIPT") => {
+                    let (keys, index) = self.keys(counters).map_err(|e| e.to_string())?;
+                    let arg = spec(head, counters, &index);
+                    pipe.call(&script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]))
+                        .await
+                }
+                reply => Ok(reply),
+            }
+        };
+        answer(deadline, call).await
     }
 
     pub async fn refund(
@@ -547,6 +598,9 @@ fn reply_of(value: redis::Value) -> Reply {
         other => Reply::Error(format!("unexpected reply {other:?}")),
     }
 }
+
+/// Bytes of acquire.lua's per-call header: mode, now, cost, nonce (`>Bddd`).
+const HEAD: usize = 25;
 
 /// `head`, then the counters as the scripts take them: 34 bytes each,
 /// `>BBdddI4I4` (key index, algorithm, limit, window ms, parameter, record
