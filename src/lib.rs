@@ -5,6 +5,7 @@
 //! - [`server`]: accepts connections, HTTP/1.1 and HTTP/2, graceful shutdown;
 //!   [`server::run`] is the whole program minus the command line.
 //! - [`idle`]: closes client connections that have no request going.
+//! - [`graceful`]: shutdown that lets requests in flight finish.
 //! - [`proxy`]: the phases of one request (match, identify, decide, forward,
 //!   settle, log) and the responses sluice makes itself.
 //! - [`router`]: which route a request belongs to.
@@ -21,6 +22,7 @@ pub mod admin;
 pub mod clock;
 pub mod config;
 pub mod deny_cache;
+pub mod graceful;
 pub mod identity;
 pub mod idle;
 pub mod limiter;

@@ -6,14 +6,17 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 use crate::clock::Clock;
 use crate::config::{Backend, Config};
+use crate::graceful::{self, Shutdown};
 use crate::idle::{self, Idle, Tracked};
 use crate::limiter::{KeyCache, Limiter};
 use crate::proxy::Proxy;
@@ -115,8 +118,8 @@ impl Server {
         if let Store::Redis(r) = proxy.limiter().store() {
             r.preload().await;
         }
-        let graceful = GracefulShutdown::new();
-        let builder = connection_builder(&proxy.state().config);
+        let shutdown_signal = Shutdown::new();
+        let protocols = Arc::new(Protocols::new(&proxy.state().config));
         // TLS or not is fixed at start; the certificate is the current
         // config's (the start's if a reload turned TLS off).
         let boot_tls = proxy.state().tls.clone();
@@ -151,17 +154,25 @@ impl Server {
                             }
                         })
                     };
+                    let (protocols, signal) = (protocols.clone(), shutdown_signal.signal());
                     match &boot_tls {
                         None => {
-                            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                            let conn = graceful.watch(conn.into_owned());
-                            idle::spawn(conn, idle, limit, peer);
+                            // Looking at the first bytes waits in the connection's
+                            // task, under the idle watchdog.
+                            idle::spawn(async move {
+                                let mut signal = signal;
+                                let http1 = tokio::select! {
+                                    http1 = starts_as_http1(&stream) => http1,
+                                    // Shut down before a first byte: nothing to finish.
+                                    _ = signal.changed() => return Ok(()),
+                                };
+                                protocols.serve(TokioIo::new(stream), http1, service, signal).await
+                            }, idle, limit, peer);
                         }
                         Some(boot) => {
                             let acceptor = proxy.state().tls.clone().unwrap_or_else(|| boot.clone());
                             // The handshake runs in the connection's own task, so a
                             // slow client cannot hold up accepting.
-                            let (builder, watcher) = (builder.clone(), graceful.watcher());
                             tokio::spawn(async move {
                                 let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                                     Ok(Ok(stream)) => stream,
@@ -171,9 +182,10 @@ impl Server {
                                     }
                                     Err(_) => return,
                                 };
-                                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                                let conn = watcher.watch(conn.into_owned());
-                                idle::spawn(conn, idle, limit, peer);
+                                let http1 = stream.get_ref().1.alpn_protocol() == Some(b"http/1.1");
+                                idle::spawn(async move {
+                                    protocols.serve(TokioIo::new(stream), http1, service, signal).await
+                                }, idle, limit, peer);
                             });
                         }
                     }
@@ -184,7 +196,7 @@ impl Server {
         drop(listener);
         let timeout = proxy.state().config.server.shutdown_timeout;
         tracing::info!("shutting down: draining requests in flight");
-        if tokio::time::timeout(timeout, graceful.shutdown())
+        if tokio::time::timeout(timeout, shutdown_signal.drain())
             .await
             .is_err()
         {
@@ -207,23 +219,88 @@ pub async fn run(
     Server::new(listener, config)?.run(shutdown).await
 }
 
-fn connection_builder(config: &Config) -> auto::Builder<TokioExecutor> {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    // Our own check answers 431 with a problem+json body; hyper's buffer only
-    // needs room for a head of that size, plus slack for the request line.
-    let max = config.server.max_header_bytes;
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        // server.header_timeout is kept by crate::idle, without a timer per request.
-        .header_read_timeout(None::<Duration>)
-        .max_buf_size((max + 16 * 1024).max(8192));
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(max as u32);
-    builder
+/// The 24 bytes a client speaking HTTP/2 with prior knowledge opens with.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether a plain connection's first bytes, looked at without taking them,
+/// already differ from the HTTP/2 preface. Usually they do ("GET ...") and
+/// hyper serves the connection as HTTP/1 from its first read. Otherwise
+/// hyper-util's auto connection reads the first bytes to tell, then hands them
+/// to hyper, whose next read then doubles its 8 KB buffer, kept for the
+/// connection's life: about 10 KB more per connection, idle ones included.
+async fn starts_as_http1(stream: &TcpStream) -> bool {
+    let mut first = [0u8; H2_PREFACE.len()];
+    match stream.peek(&mut first).await {
+        Ok(n) if n > 0 => first[..n] != H2_PREFACE[..n],
+        // Closed, or an error: the auto path ends it the usual way.
+        _ => false,
+    }
 }
+
+/// The connection builders: HTTP/1 alone, and hyper-util's auto for
+/// connections whose protocol is not known yet.
+struct Protocols {
+    http1: http1::Builder,
+    auto: auto::Builder<TokioExecutor>,
+}
+
+impl Protocols {
+    fn new(config: &Config) -> Protocols {
+        // Our own check answers 431 with a problem+json body; hyper's buffer
+        // only needs room for a head of that size, plus slack for the request line.
+        let max = config.server.max_header_bytes;
+        let max_buf = (max + 16 * 1024).max(8192);
+        let mut http1 = http1::Builder::new();
+        http1
+            .timer(TokioTimer::new())
+            // server.header_timeout is kept by crate::idle, without a timer per request.
+            .header_read_timeout(None::<Duration>)
+            .max_buf_size(max_buf);
+        let mut auto = auto::Builder::new(TokioExecutor::new());
+        auto.http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(None::<Duration>)
+            .max_buf_size(max_buf);
+        auto.http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(max as u32);
+        Protocols { http1, auto }
+    }
+
+    /// Serves one client connection until it ends, or until `signal` and its
+    /// requests in flight are done: as HTTP/1 when `http1` says so, else
+    /// through the auto builder (HTTP/2, or not known yet).
+    async fn serve<I, S, B>(
+        &self,
+        io: I,
+        http1: bool,
+        service: S,
+        signal: tokio::sync::watch::Receiver<()>,
+    ) -> Result<(), BoxError>
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+        S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        if http1 {
+            let conn = self.http1.serve_connection(io, service).with_upgrades();
+            graceful::watch(conn, signal, |c| c.graceful_shutdown())
+                .await
+                .map_err(BoxError::from)
+        } else {
+            // Boxed: the auto connection is larger, and every connection's
+            // task would otherwise be sized for it.
+            let conn = self.auto.serve_connection_with_upgrades(io, service);
+            Box::pin(graceful::watch(conn, signal, |c| c.graceful_shutdown())).await
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Drops the memory store's expired counters now and then.
 async fn sweep(proxy: Arc<Proxy>, clock: Clock) {

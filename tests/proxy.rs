@@ -280,6 +280,35 @@ async fn graceful_shutdown_finishes_requests_in_flight() {
 }
 
 #[tokio::test]
+async fn graceful_shutdown_closes_idle_and_silent_connections_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_up, sluice) = setup().await;
+    // Connected first, so it has been accepted once the second is answered;
+    // it never sends a byte.
+    let mut silent = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    let mut used = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    used.write_all(b"GET /x HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut buf = [0u8; 1024];
+        let n = used.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed before answering");
+        head.extend_from_slice(&buf[..n]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    // Both connections are now idle. server.shutdown_timeout is 10 s: a
+    // connection not told to close would hold the shutdown that long.
+    tokio::time::timeout(std::time::Duration::from_secs(5), sluice.shutdown())
+        .await
+        .expect("shutdown waited for idle connections");
+    let mut rest = Vec::new();
+    used.read_to_end(&mut rest).await.unwrap();
+    assert_eq!(silent.read(&mut [0u8; 1]).await.unwrap(), 0);
+}
+
+#[tokio::test]
 async fn reload_swaps_routes_keeps_counters_and_refuses_bad_files() {
     let up = Upstream::start().await;
     let policy = "[policies.p]\nlimits = [{ limit = 3, window = \"1h\" }]\n";
