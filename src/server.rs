@@ -227,7 +227,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// hyper serves the connection as HTTP/1 from its first read. Otherwise
 /// hyper-util's auto connection reads the first bytes to tell, then hands them
 /// to hyper, whose next read then doubles its 8 KB buffer, kept for the
-/// connection's life: about 10 KB more per connection, idle ones included.
+/// connection's life: about 8 KB more per connection, idle ones included.
 async fn starts_as_http1(stream: &TcpStream) -> bool {
     let mut first = [0u8; H2_PREFACE.len()];
     match stream.peek(&mut first).await {
