@@ -441,8 +441,7 @@ impl RedisStore {
                     .await?
             }
             _ => {
-                let (keys, index) = self.keys(counters)?;
-                let arg = spec(&head, counters, &index);
+                let (keys, arg) = self.acquire_args(counters, &head)?;
                 self.eval(&self.acquire, ACQUIRE, &keys, &[&arg], deadline)
                     .await?
             }
@@ -459,6 +458,16 @@ impl RedisStore {
         })
     }
 
+    /// acquire.lua's keys and its one argument: `head`, then the counters.
+    fn acquire_args(
+        &self,
+        counters: &[Counter],
+        head: &[u8; HEAD],
+    ) -> Result<(Vec<Vec<u8>>, Vec<u8>), StoreError> {
+        let (keys, index) = self.keys(counters)?;
+        Ok((keys, spec(head, counters, &index)))
+    }
+
     /// acquire.lua's `EVALSHA` as `memo` keeps it for `counters` (made now if
     /// it is not yet), with `head` written in; on `NOSCRIPT`, `EVAL` built
     /// the long way.
@@ -473,8 +482,7 @@ impl RedisStore {
         let (template, at) = match memo.0.get() {
             Some(kept) => kept,
             None => {
-                let (keys, index) = self.keys(counters)?;
-                let arg = spec(head, counters, &index);
+                let (keys, arg) = self.acquire_args(counters, head)?;
                 let hash = self.acquire.get_hash().as_bytes();
                 let cmd = script_command(b"EVALSHA", hash, &keys, &[&arg]);
                 // The argument comes last, then its "\r\n".
@@ -487,8 +495,9 @@ impl RedisStore {
         let call = async {
             match pipe.call(&cmd).await? {
                 Reply::Error(e) if e.starts_with("NOSCRIPT") => {
-                    let (keys, index) = self.keys(counters).map_err(|e| e.to_string())?;
-                    let arg = spec(head, counters, &index);
+                    let (keys, arg) = self
+                        .acquire_args(counters, head)
+                        .map_err(|e| e.to_string())?;
                     pipe.call(&script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]))
                         .await
                 }
