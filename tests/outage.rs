@@ -175,3 +175,63 @@ async fn restart_and_script_flush_under_load_give_no_client_errors() {
     assert!(r.header("x-ratelimit-remaining").is_some());
     drop(redis);
 }
+
+/// Calls that time out while Redis hangs still have replies on the way: those
+/// are dropped when they come, and every later call gets its own reply.
+#[tokio::test]
+async fn replies_to_timed_out_calls_do_not_reach_later_calls() {
+    use sluice::config::{Algorithm, Backend, ClockSource, OnError, StoreConfig};
+    use sluice::store::redis::RedisStore;
+    use sluice::store::{Counter, StoreError};
+
+    let redis = RedisServer::start();
+    let store = RedisStore::new(&StoreConfig {
+        backend: Backend::Redis,
+        url: Some(redis.url()),
+        cluster: Vec::new(),
+        timeout: Duration::from_millis(TIMEOUT_MS),
+        ca: None,
+        on_error: OnError::Deny,
+        clock: ClockSource::Local,
+        prefix: "t:".into(),
+        deny_cache: false,
+        max_keys: 1000,
+    })
+    .unwrap();
+    let counter = |id: &str| Counter {
+        key: format!("{{{id}}}:p:0").into_bytes(),
+        group_len: id.len() + 4,
+        limit: 100,
+        window_ms: 3_600_000,
+        algorithm: Algorithm::Fixed,
+    };
+    let (a, b) = ([counter("a")], [counter("b")]);
+    let now = sluice::clock::wall_ms();
+    let remaining = |o: sluice::store::Outcome| o.states[0].remaining;
+    for _ in 0..5 {
+        store.acquire(&a, None, 1, 1, now).await.unwrap();
+    }
+
+    redis.signal("-STOP");
+    let hung = Instant::now();
+    let calls = (0..3).map(|_| store.acquire(&a, None, 1, 1, now));
+    for r in futures_util::future::join_all(calls).await {
+        assert!(matches!(r, Err(StoreError::Timeout)), "{r:?}");
+    }
+    let waited = hung.elapsed();
+    assert!(
+        waited < Duration::from_millis(TIMEOUT_MS + 50),
+        "{waited:?}"
+    );
+    redis.signal("-CONT");
+
+    // Redis runs the three timed-out calls (they were sent), then these.
+    assert_eq!(
+        remaining(store.acquire(&b, None, 1, 1, now).await.unwrap()),
+        99
+    );
+    assert_eq!(
+        remaining(store.acquire(&a, None, 1, 1, now).await.unwrap()),
+        91
+    );
+}

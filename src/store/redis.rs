@@ -140,8 +140,12 @@ impl RedisStore {
             let load = async {
                 match &self.conn {
                     Conn::Single(pipe) => match pipe
-                        .call(&Command::of(&[b"SCRIPT", b"LOAD", text.as_bytes()]))
-                        .await?
+                        .call(
+                            &Command::of(&[b"SCRIPT", b"LOAD", text.as_bytes()]),
+                            Instant::now() + self.timeout,
+                        )
+                        .await
+                        .map_err(|e| e.to_string())?
                     {
                         Reply::Error(e) => Err(e),
                         _ => Ok(()),
@@ -182,10 +186,10 @@ impl RedisStore {
 
     /// Sends one command that is not a script; an error reply is an error.
     async fn command(&self, args: &[&[u8]], deadline: Instant) -> Result<Reply, StoreError> {
-        let call = async {
-            match &self.conn {
-                Conn::Single(pipe) => pipe.call(&Command::of(args)).await,
-                Conn::Cluster(cluster) => {
+        match &self.conn {
+            Conn::Single(pipe) => checked(pipe.call(&Command::of(args), deadline).await),
+            Conn::Cluster(cluster) => {
+                let call = async {
                     let mut cmd = redis::Cmd::new();
                     args.iter().for_each(|a| {
                         cmd.arg(*a);
@@ -196,10 +200,10 @@ impl RedisStore {
                         .await
                         .map_err(|e| e.to_string())?;
                     Ok(reply_of(value))
-                }
+                };
+                within(deadline, call).await
             }
-        };
-        answer(deadline, call).await
+        }
     }
 
     fn is_cluster(&self) -> bool {
@@ -265,48 +269,33 @@ impl RedisStore {
         args: &[&[u8]],
         deadline: Instant,
     ) -> Result<Reply, StoreError> {
-        let call = async {
-            match &self.conn {
-                Conn::Single(pipe) => {
-                    let reply = pipe
-                        .call(&script_command(
-                            b"EVALSHA",
-                            script.get_hash().as_bytes(),
-                            keys,
-                            args,
-                        ))
-                        .await?;
-                    match reply {
-                        Reply::Error(e) if e.starts_with("NOSCRIPT") => {
-                            pipe.call(&script_command(b"EVAL", text.as_bytes(), keys, args))
-                                .await
-                        }
-                        reply => Ok(reply),
-                    }
-                }
-                Conn::Cluster(cluster) => {
-                    let mut inv = script.prepare_invoke();
-                    keys.iter().for_each(|k| {
-                        inv.key(&k[..]);
-                    });
-                    args.iter().for_each(|a| {
-                        inv.arg(*a);
-                    });
-                    // Boxed: a cluster call's state is large, and every
-                    // decision's future would otherwise carry it and move it.
-                    Box::pin(async {
-                        let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
-                        let value: redis::Value = inv
-                            .invoke_async(&mut conn)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        Ok(reply_of(value))
-                    })
-                    .await
-                }
+        match &self.conn {
+            Conn::Single(pipe) => {
+                let evalsha = script_command(b"EVALSHA", script.get_hash().as_bytes(), keys, args);
+                let eval = || Ok(script_command(b"EVAL", text.as_bytes(), keys, args));
+                run_script(pipe, &evalsha, eval, deadline).await
             }
-        };
-        answer(deadline, call).await
+            Conn::Cluster(cluster) => {
+                let mut inv = script.prepare_invoke();
+                keys.iter().for_each(|k| {
+                    inv.key(&k[..]);
+                });
+                args.iter().for_each(|a| {
+                    inv.arg(*a);
+                });
+                // Boxed: a cluster call's state is large, and every
+                // decision's future would otherwise carry it and move it.
+                let call = Box::pin(async {
+                    let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
+                    let value: redis::Value = inv
+                        .invoke_async(&mut conn)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok(reply_of(value))
+                });
+                within(deadline, call).await
+            }
+        }
     }
 
     /// Checks (mode 0), checks and charges (1) or charges (2) `counters`; see
@@ -492,19 +481,11 @@ impl RedisStore {
         };
         let mut cmd = template.clone();
         cmd.overwrite(*at, head);
-        let call = async {
-            match pipe.call(&cmd).await? {
-                Reply::Error(e) if e.starts_with("NOSCRIPT") => {
-                    let (keys, arg) = self
-                        .acquire_args(counters, head)
-                        .map_err(|e| e.to_string())?;
-                    pipe.call(&script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]))
-                        .await
-                }
-                reply => Ok(reply),
-            }
+        let eval = || {
+            let (keys, arg) = self.acquire_args(counters, head)?;
+            Ok(script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]))
         };
-        answer(deadline, call).await
+        run_script(pipe, &cmd, eval, deadline).await
     }
 
     pub async fn refund(
@@ -565,16 +546,40 @@ impl RedisStore {
     }
 }
 
-/// The reply of `call` by `deadline`; an error reply is an error.
-async fn answer(
+/// An error reply is an error.
+fn checked(reply: Result<Reply, StoreError>) -> Result<Reply, StoreError> {
+    match reply {
+        Ok(Reply::Error(e)) => Err(StoreError::Unavailable(e)),
+        other => other,
+    }
+}
+
+/// A cluster call's reply by `deadline` (the pipe keeps its calls' deadlines
+/// itself).
+async fn within(
     deadline: Instant,
     call: impl std::future::Future<Output = Result<Reply, String>>,
 ) -> Result<Reply, StoreError> {
     match tokio::time::timeout_at(deadline, call).await {
         Err(_) => Err(StoreError::Timeout),
-        Ok(Err(e)) => Err(StoreError::Unavailable(e)),
-        Ok(Ok(Reply::Error(e))) => Err(StoreError::Unavailable(e)),
-        Ok(Ok(reply)) => Ok(reply),
+        Ok(reply) => checked(reply.map_err(StoreError::Unavailable)),
+    }
+}
+
+/// A script's `evalsha` on the pipe, and on `NOSCRIPT` (Redis restarted, or
+/// `SCRIPT FLUSH`) the `EVAL` that `eval` builds, which also caches the
+/// script. An error reply is an error.
+async fn run_script(
+    pipe: &Pipe,
+    evalsha: &Command,
+    eval: impl FnOnce() -> Result<Command, StoreError>,
+    deadline: Instant,
+) -> Result<Reply, StoreError> {
+    match pipe.call(evalsha, deadline).await? {
+        Reply::Error(e) if e.starts_with("NOSCRIPT") => {
+            checked(pipe.call(&eval()?, deadline).await)
+        }
+        reply => checked(Ok(reply)),
     }
 }
 
