@@ -95,7 +95,7 @@ impl Default for Metrics {
         );
         registry.register(
             "store_call_seconds",
-            "Latency of limiter decisions in the store",
+            "Latency of limiter decisions in the Redis store",
             store_seconds.clone(),
         );
         let reloads = Family::default();

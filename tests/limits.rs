@@ -488,6 +488,8 @@ async fn shadow_mode_counts_but_never_rejects() {
     assert_eq!(s.metric(&sample("allowed")).await, 1.0);
     assert_eq!(s.metric(&sample("shadow_limited")).await, 2.0);
     assert_eq!(s.metric(&sample("limited")).await, 0.0);
+    // The memory store's decisions are not timed (the Redis store's are).
+    assert_eq!(s.metric("sluice_store_call_seconds_count").await, 0.0);
 }
 
 #[tokio::test]
