@@ -70,20 +70,39 @@ impl MemoryStore {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Each counter is looked up once: checked, and charged at once while
+    /// every counter so far allows. One that refuses stops the charging, and
+    /// what was charged is given back (the rare case pays a second lookup;
+    /// a give-back at the same instant restores what a check sees).
     pub fn acquire(&self, counters: &[Counter], cost: u64, charge: bool, now: u64) -> Outcome {
         let mut inner = self.lock();
+        let inner = &mut *inner;
         let mut states = Vec::with_capacity(counters.len());
+        let mut marks = vec![0; counters.len()];
         let mut allowed = true;
-        for c in counters {
-            let state = inner.map.get(&c.key).filter(|e| e.expires_ms > now);
-            let s = check(state.map(|e| &e.state), c, cost, now);
+        // The counters charged so far: always the first ones.
+        let mut charged = 0;
+        for (c, mark) in counters.iter().zip(marks.iter_mut()) {
+            let entry = inner.map.get_mut(&c.key);
+            let live = entry.as_ref().filter(|e| e.expires_ms > now);
+            let s = check(live.map(|e| &e.state), c, cost, now);
             allowed &= s.retry_ms == 0;
             states.push(s);
+            if !(allowed && charge) {
+                continue;
+            }
+            *mark = match entry {
+                Some(entry) => update(entry, c, cost, now, &mut inner.next_id),
+                None => self.insert(inner, c, cost, now),
+            };
+            charged += 1;
         }
-        let mut marks = vec![0; counters.len()];
-        if allowed && charge {
-            for (c, mark) in counters.iter().zip(marks.iter_mut()) {
-                *mark = self.add(&mut inner, c, cost, now);
+        if !allowed {
+            for (c, mark) in counters.iter().zip(marks.iter_mut()).take(charged) {
+                if let Some(e) = inner.map.get_mut(&c.key) {
+                    give_back(&mut e.state, c, *mark, cost, now);
+                }
+                *mark = 0;
             }
         }
         Outcome {
@@ -133,20 +152,15 @@ impl MemoryStore {
 
     /// Adds `cost` units to a counter; returns the mark a refund needs.
     fn add(&self, inner: &mut Inner, c: &Counter, cost: u64, now: u64) -> u64 {
-        let id = inner.next_id;
-        inner.next_id += 1;
-        let update = |entry: &mut Entry| {
-            if entry.expires_ms <= now {
-                entry.state = empty(c.algorithm);
-            }
-            let mark = charge(&mut entry.state, c, cost, now, id);
-            entry.expires_ms = expiry(&entry.state, c);
-            mark
-        };
         // Looked up by reference first: the key is copied only for a new entry.
-        if let Some(entry) = inner.map.get_mut(&c.key) {
-            return update(entry);
+        match inner.map.get_mut(&c.key) {
+            Some(entry) => update(entry, c, cost, now, &mut inner.next_id),
+            None => self.insert(inner, c, cost, now),
         }
+    }
+
+    /// Adds a counter that has no entry yet, charged `cost` units.
+    fn insert(&self, inner: &mut Inner, c: &Counter, cost: u64, now: u64) -> u64 {
         if inner.map.len() >= self.max_keys {
             make_room(&mut inner.map, self.max_keys, now);
         }
@@ -154,10 +168,23 @@ impl MemoryStore {
             state: empty(c.algorithm),
             expires_ms: 0,
         };
-        let mark = update(&mut entry);
+        let mark = update(&mut entry, c, cost, now, &mut inner.next_id);
         inner.map.insert(c.key.clone(), entry);
         mark
     }
+}
+
+/// Charges `cost` units to an entry (started afresh if it had expired);
+/// returns the mark a refund needs.
+fn update(entry: &mut Entry, c: &Counter, cost: u64, now: u64, next_id: &mut u64) -> u64 {
+    let id = *next_id;
+    *next_id += 1;
+    if entry.expires_ms <= now {
+        entry.state = empty(c.algorithm);
+    }
+    let mark = charge(&mut entry.state, c, cost, now, id);
+    entry.expires_ms = expiry(&entry.state, c);
+    mark
 }
 
 fn make_room(map: &mut Map, max: usize, now: u64) {
