@@ -1,18 +1,22 @@
 //! The memory store: counters in this process, behind one mutex.
 //!
 //! One lock keeps a multi-counter decision all-or-nothing with no lock
-//! ordering to get wrong; the work inside it is a few hash lookups. Memory is
-//! bounded twice: entries past their expiry are swept, and at `max_keys`
-//! entries the expired ones go first, then an arbitrary sixteenth of the rest
+//! ordering to get wrong. The counters of one identity under one policy (the
+//! `{TAG}:POLICY` part of their keys, which the Redis store packs into one
+//! key) share one map entry, so a decision is one hash lookup per identity,
+//! not one per limit. Memory is bounded twice: counters past their expiry are
+//! swept, and at `max_keys` counters the expired ones go first, then
+//! identities in arbitrary order until a sixteenth of the counters is gone
 //! (those identities start afresh: under such a flood, forgetting a few
 //! counters beats running out of memory).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-// foldhash, seeded per process: keys start with a SHA-256-derived tag a
-// client cannot aim, and SipHash was the larger part of a lookup.
-type Map = HashMap<Vec<u8>, Entry, foldhash::fast::RandomState>;
+// foldhash, seeded per process: the seed, unknown to clients, keeps them from
+// aiming keys at one bucket (the SHA-256-derived tags are unkeyed, so a client
+// can compute them); SipHash was the larger part of a lookup.
+type Map = HashMap<Vec<u8>, Group, foldhash::fast::RandomState>;
 
 use super::{Counter, CounterState, Outcome};
 use crate::config::Algorithm;
@@ -23,9 +27,36 @@ pub struct MemoryStore {
 }
 
 struct Inner {
+    /// By the `{TAG}:POLICY` part of the counters' keys.
     map: Map,
+    /// Counters held, over all groups: what `max_keys` bounds.
+    held: usize,
     /// Source of `log` marks: a refund removes exactly the entry it added.
     next_id: u64,
+}
+
+/// One identity's counters under one policy, each under the rest of its key
+/// (`:LIMIT`). A policy has a few limits: a list beats a map.
+#[derive(Default)]
+struct Group(Vec<(Box<[u8]>, Entry)>);
+
+impl Group {
+    /// The counter named `id`; looked for at `hint` first (counters are
+    /// added in the order the limiter lists them, and asked for in it).
+    fn get(&mut self, id: &[u8], hint: usize) -> Option<&mut Entry> {
+        let at = match self.0.get(hint) {
+            Some((k, _)) if **k == *id => hint,
+            _ => self.0.iter().position(|(k, _)| **k == *id)?,
+        };
+        Some(&mut self.0[at].1)
+    }
+
+    /// Drops the counters expired at `now`; returns how many went.
+    fn sweep(&mut self, now: u64) -> usize {
+        let before = self.0.len();
+        self.0.retain(|(_, e)| e.expires_ms > now);
+        before - self.0.len()
+    }
 }
 
 struct Entry {
@@ -53,11 +84,17 @@ enum State {
     },
 }
 
+/// A counter's key as (its group, its name in the group).
+fn split(c: &Counter) -> (&[u8], &[u8]) {
+    c.key.split_at(c.group_len.min(c.key.len()))
+}
+
 impl MemoryStore {
     pub fn new(max_keys: usize) -> MemoryStore {
         MemoryStore {
             inner: Mutex::new(Inner {
                 map: Map::default(),
+                held: 0,
                 next_id: 1,
             }),
             max_keys: max_keys.max(1),
@@ -70,10 +107,12 @@ impl MemoryStore {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Each counter is looked up once: checked, and charged at once while
+    /// Each counter is looked at once: checked, and charged at once while
     /// every counter so far allows. One that refuses stops the charging, and
-    /// what was charged is given back (the rare case pays a second lookup;
-    /// a give-back at the same instant restores what a check sees).
+    /// what was charged is given back (the rare case pays more lookups; a
+    /// give-back at the same instant restores what a check sees). Counters
+    /// of one group in a row (the limiter lists an identity's together)
+    /// share one lookup.
     pub fn acquire(&self, counters: &[Counter], cost: u64, charge: bool, now: u64) -> Outcome {
         let mut inner = self.lock();
         let inner = &mut *inner;
@@ -82,9 +121,17 @@ impl MemoryStore {
         let mut allowed = true;
         // The counters charged so far: always the first ones.
         let mut charged = 0;
-        for (c, mark) in counters.iter().zip(marks.iter_mut()) {
-            let entry = inner.map.get_mut(&c.key);
-            let live = entry.as_ref().filter(|e| e.expires_ms > now);
+        // The group of the counter before, its name, and how many of its
+        // counters came before this one.
+        let (mut group, mut name_of, mut nth) = (None, &[][..], 0);
+        for (i, (c, mark)) in counters.iter().zip(marks.iter_mut()).enumerate() {
+            let (name, id) = split(c);
+            if i == 0 || name != name_of {
+                (group, name_of, nth) = (inner.map.get_mut(name), name, 0);
+            }
+            let entry = group.as_deref_mut().and_then(|g| g.get(id, nth));
+            nth += 1;
+            let live = entry.as_deref().filter(|e| e.expires_ms > now);
             let s = check(live.map(|e| &e.state), c, cost, now);
             allowed &= s.retry_ms == 0;
             states.push(s);
@@ -93,13 +140,18 @@ impl MemoryStore {
             }
             *mark = match entry {
                 Some(entry) => update(entry, c, cost, now, &mut inner.next_id),
-                None => self.insert(inner, c, cost, now),
+                None => {
+                    // A new counter (rare): it pays its own lookups.
+                    let mark = self.add(inner, c, counters, cost, now);
+                    group = inner.map.get_mut(name);
+                    mark
+                }
             };
             charged += 1;
         }
         if !allowed {
             for (c, mark) in counters.iter().zip(marks.iter_mut()).take(charged) {
-                if let Some(e) = inner.map.get_mut(&c.key) {
+                if let Some(e) = entry(&mut inner.map, c) {
                     give_back(&mut e.state, c, *mark, cost, now);
                 }
                 *mark = 0;
@@ -116,14 +168,14 @@ impl MemoryStore {
     pub fn charge(&self, counters: &[Counter], cost: u64, now: u64) {
         let mut inner = self.lock();
         for c in counters {
-            self.add(&mut inner, c, cost, now);
+            self.add(&mut inner, c, counters, cost, now);
         }
     }
 
     pub fn refund(&self, counters: &[Counter], marks: &[u64], cost: u64, now: u64) {
         let mut inner = self.lock();
         for (c, &mark) in counters.iter().zip(marks) {
-            if let Some(e) = inner.map.get_mut(&c.key).filter(|e| e.expires_ms > now) {
+            if let Some(e) = entry(&mut inner.map, c).filter(|e| e.expires_ms > now) {
                 give_back(&mut e.state, c, mark, cost, now);
             }
         }
@@ -131,47 +183,86 @@ impl MemoryStore {
 
     pub fn forget(&self, counters: &[Counter]) {
         let mut inner = self.lock();
+        let Inner { map, held, .. } = &mut *inner;
         for c in counters {
-            inner.map.remove(&c.key);
+            let (name, id) = split(c);
+            let Some(g) = map.get_mut(name) else {
+                continue;
+            };
+            let before = g.0.len();
+            g.0.retain(|(k, _)| **k != *id);
+            *held -= before - g.0.len();
+            if g.0.is_empty() {
+                map.remove(name);
+            }
         }
     }
 
-    /// Drops expired entries; the server calls it now and then.
+    /// Drops expired counters; the server calls it now and then.
     pub fn sweep(&self, now: u64) {
-        self.lock().map.retain(|_, e| e.expires_ms > now);
+        sweep(&mut self.lock(), now);
     }
 
     /// How many counters are held (for tests and metrics).
     pub fn len(&self) -> usize {
-        self.lock().map.len()
+        self.lock().held
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// Adds `cost` units to a counter; returns the mark a refund needs.
-    fn add(&self, inner: &mut Inner, c: &Counter, cost: u64, now: u64) -> u64 {
-        // Looked up by reference first: the key is copied only for a new entry.
-        match inner.map.get_mut(&c.key) {
-            Some(entry) => update(entry, c, cost, now, &mut inner.next_id),
-            None => self.insert(inner, c, cost, now),
+    /// Makes room for a new counter at `max_keys`: expired counters go, then
+    /// identities, a sixteenth of `max_keys` of them so that this is rare.
+    /// The groups of `spare` (the decision adding the counter) stay: a
+    /// decision never drops what it charged itself.
+    fn make_room(&self, inner: &mut Inner, spare: &[Counter], now: u64) {
+        sweep(inner, now);
+        if inner.held < self.max_keys {
+            return;
         }
+        let mut excess = (inner.held + 1 - self.max_keys).max(self.max_keys / 16);
+        let Inner { map, held, .. } = inner;
+        map.retain(|name, g| {
+            if excess == 0 || spare.iter().any(|c| split(c).0 == &name[..]) {
+                return true;
+            }
+            excess = excess.saturating_sub(g.0.len());
+            *held -= g.0.len();
+            false
+        });
     }
 
-    /// Adds a counter that has no entry yet, charged `cost` units.
-    fn insert(&self, inner: &mut Inner, c: &Counter, cost: u64, now: u64) -> u64 {
-        if inner.map.len() >= self.max_keys {
-            make_room(&mut inner.map, self.max_keys, now);
+    /// Adds `cost` units to a counter, made if missing (`spare`: the
+    /// decision's counters, see `make_room`); returns the mark a refund needs.
+    fn add(&self, inner: &mut Inner, c: &Counter, spare: &[Counter], cost: u64, now: u64) -> u64 {
+        // Looked up by reference first: keys are copied only for a new counter.
+        if let Some(entry) = entry(&mut inner.map, c) {
+            return update(entry, c, cost, now, &mut inner.next_id);
         }
+        if inner.held >= self.max_keys {
+            self.make_room(inner, spare, now);
+        }
+        let (name, id) = split(c);
         let mut entry = Entry {
             state: empty(c.algorithm),
             expires_ms: 0,
         };
         let mark = update(&mut entry, c, cost, now, &mut inner.next_id);
-        inner.map.insert(c.key.clone(), entry);
+        let group = match inner.map.get_mut(name) {
+            Some(g) => g,
+            None => inner.map.entry(name.to_vec()).or_default(),
+        };
+        group.0.push((id.into(), entry));
+        inner.held += 1;
         mark
     }
+}
+
+/// Counter `c`'s entry, if it has one.
+fn entry<'m>(map: &'m mut Map, c: &Counter) -> Option<&'m mut Entry> {
+    let (name, id) = split(c);
+    map.get_mut(name)?.get(id, 0)
 }
 
 /// Charges `cost` units to an entry (started afresh if it had expired);
@@ -187,14 +278,12 @@ fn update(entry: &mut Entry, c: &Counter, cost: u64, now: u64, next_id: &mut u64
     mark
 }
 
-fn make_room(map: &mut Map, max: usize, now: u64) {
-    map.retain(|_, e| e.expires_ms > now);
-    if map.len() >= max {
-        let evict: Vec<Vec<u8>> = map.keys().take((max / 16).max(1)).cloned().collect();
-        for k in evict {
-            map.remove(&k);
-        }
-    }
+fn sweep(inner: &mut Inner, now: u64) {
+    let Inner { map, held, .. } = inner;
+    map.retain(|_, g| {
+        *held -= g.sweep(now);
+        !g.0.is_empty()
+    });
 }
 
 fn empty(algorithm: Algorithm) -> State {
@@ -436,5 +525,70 @@ fn expiry(state: &State, c: &Counter) -> u64 {
         (State::Log { entries }, _) => entries.back().map_or(0, |(t, _, _)| t + c.window_ms),
         (State::Gcra { tat_us }, _) => tat_us.div_ceil(1000),
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counter `limit` (of three) of identity `who`: one group per identity.
+    fn counter(who: u32, limit: u64) -> Counter {
+        let group = format!("{{{who:08}}}:p");
+        Counter {
+            key: format!("{group}:{limit}").into_bytes(),
+            group_len: group.len(),
+            limit: 100,
+            window_ms: 1_000 * limit,
+            algorithm: Algorithm::Fixed,
+        }
+    }
+
+    fn identity(who: u32) -> Vec<Counter> {
+        (1..=3).map(|l| counter(who, l)).collect()
+    }
+
+    #[test]
+    fn groups_count_their_counters_for_max_keys_sweep_and_forget() {
+        let store = MemoryStore::new(10);
+        let now = 1_000_000;
+        for who in 0..20 {
+            assert!(store.acquire(&identity(who), 1, true, now).allowed);
+            assert!(store.len() <= 10, "{} counters held", store.len());
+        }
+        // The last identity is whole, and counts on.
+        let last = identity(19);
+        let out = store.acquire(&last, 1, true, now);
+        assert_eq!(out.states[0].remaining, 98);
+
+        // Forgetting one limit of an identity leaves its other two.
+        let before = store.len();
+        store.forget(&last[1..2]);
+        assert_eq!(store.len(), before - 1);
+        assert_eq!(store.acquire(&last, 1, true, now).states[0].remaining, 97);
+        assert_eq!(store.acquire(&last, 1, true, now).states[1].remaining, 98);
+
+        // The 1 s counters expire first, the 3 s ones last.
+        store.sweep(now + 1_000);
+        let after_one = store.len();
+        assert!(after_one < before, "{after_one} of {before}");
+        store.sweep(now + 3_000);
+        assert!(store.is_empty(), "{} counters held", store.len());
+    }
+
+    #[test]
+    fn a_refused_decision_gives_back_across_groups() {
+        let store = MemoryStore::new(100);
+        let now = 1_000_000;
+        // Identity 2's last counter allows only one request.
+        let mut both = identity(1);
+        both.extend(identity(2));
+        both[5].limit = 1;
+        assert!(store.acquire(&both, 1, true, now).allowed);
+        let refused = store.acquire(&both, 1, true, now);
+        assert!(!refused.allowed);
+        // Nothing of the refused request stayed charged, in either group.
+        let check = store.acquire(&both[..5], 1, false, now);
+        assert!(check.states.iter().all(|s| s.remaining == 98));
     }
 }
