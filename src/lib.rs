@@ -5,6 +5,7 @@
 //! - [`server`]: accepts connections, HTTP/1.1 and HTTP/2, graceful shutdown;
 //!   [`server::run`] is the whole program minus the command line.
 //! - [`idle`]: closes client connections that have no request going.
+//! - [`coalesce`]: small vectored writes sent as one buffer (plain TCP).
 //! - [`graceful`]: shutdown that lets requests in flight finish.
 //! - [`proxy`]: the phases of one request (match, identify, decide, forward,
 //!   settle, log) and the responses sluice makes itself.
@@ -20,6 +21,7 @@
 
 pub mod admin;
 pub mod clock;
+pub mod coalesce;
 pub mod config;
 pub mod deny_cache;
 pub mod graceful;

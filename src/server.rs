@@ -15,6 +15,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::clock::Clock;
+use crate::coalesce::Coalesce;
 use crate::config::{Backend, Config};
 use crate::graceful::{self, Shutdown};
 use crate::idle::{self, Idle, Tracked};
@@ -166,7 +167,7 @@ impl Server {
                                     // Shut down before a first byte: nothing to finish.
                                     _ = signal.changed() => return Ok(()),
                                 };
-                                protocols.serve(TokioIo::new(stream), http1, service, signal).await
+                                protocols.serve(TokioIo::new(Coalesce(stream)), http1, service, signal).await
                             }, idle, limit, peer);
                         }
                         Some(boot) => {

@@ -36,6 +36,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+use crate::coalesce::Coalesce;
 use crate::config::UpstreamServer;
 use crate::tls::TlsError;
 
@@ -209,7 +210,7 @@ impl UpstreamClient {
         let builder = http1::Builder::new();
         if !tls {
             let (sender, conn) = builder
-                .handshake(TokioIo::new(tcp))
+                .handshake(TokioIo::new(Coalesce(tcp)))
                 .await
                 .map_err(|e| failed(e.to_string()))?;
             tokio::spawn(conn.with_upgrades());
