@@ -114,18 +114,27 @@ pub fn push_ip_text(out: &mut Vec<u8>, ip: IpAddr) {
         out.extend_from_slice(ip.to_string().as_bytes());
         return;
     };
+    // Written on the stack, then copied once: a push per digit checked the
+    // vector's capacity each time.
+    let mut text = [0u8; 15];
+    let mut n = 0;
     for (i, octet) in v4.octets().into_iter().enumerate() {
         if i > 0 {
-            out.push(b'.');
+            text[n] = b'.';
+            n += 1;
         }
         if octet >= 100 {
-            out.push(b'0' + octet / 100);
+            text[n] = b'0' + octet / 100;
+            n += 1;
         }
         if octet >= 10 {
-            out.push(b'0' + octet / 10 % 10);
+            text[n] = b'0' + octet / 10 % 10;
+            n += 1;
         }
-        out.push(b'0' + octet % 10);
+        text[n] = b'0' + octet % 10;
+        n += 1;
     }
+    out.extend_from_slice(&text[..n]);
 }
 
 /// Appends all values of a header, joined with ", " as HTTP defines: a second

@@ -6,9 +6,9 @@
 //! key) share one map entry, so a decision is one hash lookup per identity,
 //! not one per limit. Memory is bounded twice: counters past their expiry are
 //! swept, and at `max_keys` counters the expired ones go first, then
-//! identities in arbitrary order until a sixteenth of the counters is gone
-//! (those identities start afresh: under such a flood, forgetting a few
-//! counters beats running out of memory).
+//! identities in arbitrary order, a sixteenth of `max_keys` worth, never those
+//! of the decision being made (the others start afresh: under such a flood,
+//! forgetting a few counters beats running out of memory).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
