@@ -51,10 +51,10 @@ impl Group {
         Some(&mut self.0[at].1)
     }
 
-    /// Drops the counters expired at `now`; returns how many went.
-    fn sweep(&mut self, now: u64) -> usize {
+    /// Keeps the counters `keep` says to; returns how many went.
+    fn retain(&mut self, mut keep: impl FnMut(&[u8], &Entry) -> bool) -> usize {
         let before = self.0.len();
-        self.0.retain(|(_, e)| e.expires_ms > now);
+        self.0.retain(|(k, e)| keep(k, e));
         before - self.0.len()
     }
 }
@@ -189,9 +189,7 @@ impl MemoryStore {
             let Some(g) = map.get_mut(name) else {
                 continue;
             };
-            let before = g.0.len();
-            g.0.retain(|(k, _)| **k != *id);
-            *held -= before - g.0.len();
+            *held -= g.retain(|k, _| k != id);
             if g.0.is_empty() {
                 map.remove(name);
             }
@@ -281,7 +279,7 @@ fn update(entry: &mut Entry, c: &Counter, cost: u64, now: u64, next_id: &mut u64
 fn sweep(inner: &mut Inner, now: u64) {
     let Inner { map, held, .. } = inner;
     map.retain(|_, g| {
-        *held -= g.sweep(now);
+        *held -= g.retain(|_, e| e.expires_ms > now);
         !g.0.is_empty()
     });
 }
