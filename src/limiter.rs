@@ -329,6 +329,9 @@ pub struct KeyCache(Mutex<Cached>);
 #[derive(Default)]
 struct Cached {
     last: Option<Arc<Counters>>,
+    /// The client address `last` was built for: an `ip` identity is compared
+    /// as an address, without writing its text.
+    client: Option<IpAddr>,
     /// Where a request's identity values are written to be compared.
     scratch: Vec<u8>,
 }
@@ -344,19 +347,33 @@ impl KeyCache {
         // A poisoned lock only means a panic elsewhere: the cache is still
         // whole (it is replaced, never edited in place).
         let mut cached = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let Cached { last, scratch } = &mut *cached;
+        let Cached {
+            last,
+            client: last_client,
+            scratch,
+        } = &mut *cached;
         if let Some(c) = last
             && Arc::ptr_eq(&c.policy, policy)
-            && policy.specs.iter().zip(&c.ids).all(|(spec, id)| {
-                let counted_as = identity::identify_into(spec, client, headers, query, scratch);
-                *counted_as == id.spec && *scratch == id.value
-            })
+            && policy
+                .specs
+                .iter()
+                .zip(&c.ids)
+                .all(|(spec, id)| match spec {
+                    KeySpec::Ip => *last_client == Some(client),
+                    KeySpec::Global => true,
+                    KeySpec::Header(_) | KeySpec::Query(_) => {
+                        let counted_as =
+                            identity::identify_into(spec, client, headers, query, scratch);
+                        *counted_as == id.spec && *scratch == id.value
+                    }
+                })
         {
             return c.clone();
         }
         let ids = identities(policy, client, headers, query);
         let built = Arc::new(Counters::build(policy, ids));
         *last = Some(built.clone());
+        *last_client = Some(client);
         built
     }
 }

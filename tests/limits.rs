@@ -399,6 +399,37 @@ async fn one_connection_asking_as_other_identities_or_after_a_reload() {
     assert_eq!(r.header_u64("x-ratelimit-remaining"), 1);
 }
 
+/// The same, for a policy keyed by address alone (the cache compares the
+/// addresses themselves): clients behind one proxy connection each get their
+/// own budget.
+#[tokio::test]
+async fn one_connection_asking_from_other_addresses() {
+    let up = Upstream::start().await;
+    let cfg = format!(
+        "[server]\ntrusted_proxies = [\"127.0.0.1\"]\n[upstreams.api]\nurl = \"{}\"\n\
+         [policies.p]\nlimits = [{{ limit = 1, window = \"1m\" }}]\n\
+         [[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"\n",
+        up.url()
+    );
+    let s = Sluice::start_with_clock(&cfg, clock_at_window_start(60_000)).await;
+    let (h1, h2) = (client(), h2_client());
+    for (client, ip, want) in [
+        (&h1, "192.0.2.1", StatusCode::OK),
+        (&h1, "192.0.2.2", StatusCode::OK),
+        (&h1, "192.0.2.2", StatusCode::TOO_MANY_REQUESTS),
+        (&h1, "192.0.2.1", StatusCode::TOO_MANY_REQUESTS),
+        (&h2, "2001:db8::1", StatusCode::OK),
+        (&h2, "2001:db8::2", StatusCode::OK),
+        (&h2, "2001:db8::2", StatusCode::TOO_MANY_REQUESTS),
+    ] {
+        let req = Request::get(s.url("/"))
+            .header("x-forwarded-for", ip)
+            .body(empty())
+            .unwrap();
+        assert_eq!(send(client, req).await.status, want, "as {ip}");
+    }
+}
+
 #[tokio::test]
 async fn spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
     let up = Upstream::start().await;

@@ -37,7 +37,7 @@ use pool::{PooledBody, UpstreamClient, UpstreamError};
 
 pub use error::ProxyError;
 
-use crate::config::{Config, OnError, Route, StoreConfig, Target};
+use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target};
 use crate::identity;
 use crate::limiter::{Binding, KeyCache, Limiter, Ticket, Verdict};
 use crate::metrics::{DecisionCounters, Metrics, Name, RouteStatus, UpstreamLabel};
@@ -55,8 +55,10 @@ pub struct State {
     /// Clients of the upstreams that trust an extra CA, by upstream name; the
     /// others share the proxy's client.
     clients: HashMap<Arc<str>, UpstreamClient>,
-    /// Each policy's `sluice_decisions_total` counters, by policy name.
-    decisions: HashMap<Arc<str>, DecisionCounters, foldhash::fast::RandomState>,
+    /// Each policy's `sluice_decisions_total` counters, by the address of
+    /// its `Arc<Policy>` (routes share the config's: hashing a pointer is
+    /// cheaper than hashing the name, on every decision).
+    decisions: HashMap<usize, DecisionCounters, foldhash::fast::RandomState>,
     /// `server.tls`'s certificate and key as this config's load found them:
     /// new connections use the current state's, so a reload puts a renewed
     /// certificate in service.
@@ -65,8 +67,8 @@ pub struct State {
 
 impl State {
     /// Counts a decision; `outcome` indexes [`crate::metrics::OUTCOMES`].
-    fn count_decision(&self, policy: &str, outcome: usize) {
-        if let Some(counters) = self.decisions.get(policy) {
+    fn count_decision(&self, policy: &Arc<Policy>, outcome: usize) {
+        if let Some(counters) = self.decisions.get(&(Arc::as_ptr(policy) as usize)) {
             counters[outcome].inc();
         }
     }
@@ -81,7 +83,7 @@ impl State {
         let decisions = config
             .policies
             .iter()
-            .map(|p| (p.name.clone(), metrics.decision_counters(&p.name)))
+            .map(|p| (Arc::as_ptr(p) as usize, metrics.decision_counters(&p.name)))
             .collect();
         let tls = match &config.server.tls {
             Some(files) => Some(crate::tls::server_config(files)?.into()),
@@ -324,19 +326,19 @@ impl Proxy {
                     ticket: t,
                 }) => {
                     ctx.decision = "allowed";
-                    state.count_decision(&policy.name, 0);
+                    state.count_decision(policy, 0);
                     binding = Some(b);
                     ticket = Some(t);
                 }
                 Ok(Verdict::ShadowLimited { binding: b }) => {
                     ctx.decision = "shadow-limited";
-                    state.count_decision(&policy.name, 1);
+                    state.count_decision(policy, 1);
                     tracing::info!(policy = %policy.name, client = %client, "shadow policy would have limited this request");
                     binding = Some(b);
                 }
                 Ok(Verdict::Limited { binding: b }) => {
                     ctx.decision = "limited";
-                    state.count_decision(&policy.name, 2);
+                    state.count_decision(policy, 2);
                     let mut resp = ProxyError::Limited {
                         retry_after: b.retry_ms.div_ceil(1000).max(1),
                     }
@@ -346,7 +348,7 @@ impl Proxy {
                 }
                 Err(e) => {
                     ctx.decision = "store-error";
-                    state.count_decision(&policy.name, 3);
+                    state.count_decision(policy, 3);
                     self.metrics.store_errors.inc();
                     log_store_error(&e);
                     if config.store.on_error == OnError::Deny {
