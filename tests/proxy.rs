@@ -180,6 +180,19 @@ async fn slow_upstream_is_504_after_upstream_timeout() {
         took >= Duration::from_millis(300) && took < Duration::from_secs(3),
         "took {took:?}"
     );
+    // On one connection (which reuses its timer, src/proxy/timer.rs): a quick
+    // request, a slow one that ends at the timeout, and a quick one again.
+    let c = client();
+    let ask = |path: &str| send(&c, Request::get(sluice.url(path)).body(empty()).unwrap());
+    assert_eq!(ask("/").await.status, StatusCode::OK);
+    let started = Instant::now();
+    assert_problem(&ask("/slow/5000").await, StatusCode::GATEWAY_TIMEOUT).await;
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "took {took:?}"
+    );
+    assert_eq!(ask("/slow/100").await.status, StatusCode::OK);
 }
 
 #[tokio::test]
