@@ -132,15 +132,19 @@ pub fn rewrite_request(
     upgrade: Option<&HeaderValue>,
 ) -> Result<Request<Incoming>, &'static str> {
     let (mut parts, body) = req.into_parts();
-    let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
-    let pq = if server.base_path.is_empty() {
-        PathAndQuery::try_from(pq)
-    } else {
-        PathAndQuery::try_from(format!("{}{}", server.base_path, pq))
-    }
-    .map_err(|_| "bad request target")?;
     // Origin form (`/path?query`): the upstream learns its authority from Host.
-    parts.uri = Uri::from(pq);
+    // HTTP/1 requests usually come in it, and are kept as parsed.
+    let origin_form = parts.uri.scheme().is_none() && parts.uri.authority().is_none();
+    if !(origin_form && server.base_path.is_empty()) {
+        let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
+        let pq = if server.base_path.is_empty() {
+            PathAndQuery::try_from(pq)
+        } else {
+            PathAndQuery::try_from(format!("{}{}", server.base_path, pq))
+        }
+        .map_err(|_| "bad request target")?;
+        parts.uri = Uri::from(pq);
+    }
     parts.version = Version::HTTP_11;
 
     let headers = &mut parts.headers;

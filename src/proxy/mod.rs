@@ -44,6 +44,7 @@ use crate::metrics::{DecisionCounters, Metrics, Name, RouteStatus, UpstreamLabel
 use crate::router::Router;
 use crate::store::{Store, StoreError};
 use crate::tls::TlsError;
+use prometheus_client::metrics::histogram::Histogram;
 
 /// The body of every response sluice sends: the upstream's, streamed, or its own.
 pub type Body = Either<PooledBody, Full<Bytes>>;
@@ -59,6 +60,9 @@ pub struct State {
     /// its `Arc<Policy>` (routes share the config's: hashing a pointer is
     /// cheaper than hashing the name, on every decision).
     decisions: HashMap<usize, DecisionCounters, foldhash::fast::RandomState>,
+    /// Each upstream's `sluice_upstream_seconds` histogram, by the address of
+    /// its `Arc<Upstream>` (as `decisions`).
+    upstream_seconds: HashMap<usize, Histogram, foldhash::fast::RandomState>,
     /// `server.tls`'s certificate and key as this config's load found them:
     /// new connections use the current state's, so a reload puts a renewed
     /// certificate in service.
@@ -85,6 +89,17 @@ impl State {
             .iter()
             .map(|p| (Arc::as_ptr(p) as usize, metrics.decision_counters(&p.name)))
             .collect();
+        let upstream_seconds = config
+            .upstreams
+            .iter()
+            .map(|u| {
+                let label = UpstreamLabel {
+                    upstream: Name(u.name.clone()),
+                };
+                let histogram = metrics.upstream_seconds.get_or_create(&label).clone();
+                (Arc::as_ptr(u) as usize, histogram)
+            })
+            .collect();
         let tls = match &config.server.tls {
             Some(files) => Some(crate::tls::server_config(files)?.into()),
             None => None,
@@ -94,6 +109,7 @@ impl State {
             config,
             clients,
             decisions,
+            upstream_seconds,
             tls,
         })
     }
@@ -445,12 +461,12 @@ impl Proxy {
         let result = tokio::time::timeout_at(sent + timeout, client.request(server, req)).await;
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
-        self.metrics
+        if let Some(h) = state
             .upstream_seconds
-            .get_or_create(&UpstreamLabel {
-                upstream: Name(upstream.name.clone()),
-            })
-            .observe(took.as_secs_f64());
+            .get(&(Arc::as_ptr(upstream) as usize))
+        {
+            h.observe(took.as_secs_f64());
+        }
         let mut resp = match result {
             Err(_) => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
             Ok(Err(UpstreamError::Http(e))) if client_body_failed(&e) => {
