@@ -180,8 +180,8 @@ async fn slow_upstream_is_504_after_upstream_timeout() {
         took >= Duration::from_millis(300) && took < Duration::from_secs(3),
         "took {took:?}"
     );
-    // On one connection (which reuses its timer, src/proxy/timer.rs): a quick
-    // request, a slow one that ends at the timeout, and a quick one again.
+    // On one keep-alive connection: a quick request, a slow one that ends at
+    // the timeout, and one after it that is not cut by an earlier deadline.
     let c = client();
     let ask = |path: &str| send(&c, Request::get(sluice.url(path)).body(empty()).unwrap());
     assert_eq!(ask("/").await.status, StatusCode::OK);

@@ -56,12 +56,11 @@ pub struct State {
     /// Clients of the upstreams that trust an extra CA, by upstream name; the
     /// others share the proxy's client.
     clients: HashMap<Arc<str>, UpstreamClient>,
-    /// Each policy's `sluice_decisions_total` counters, by the address of
-    /// its `Arc<Policy>` (routes share the config's: hashing a pointer is
-    /// cheaper than hashing the name, on every decision).
+    /// Each policy's `sluice_decisions_total` counters, by [`addr`] of its
+    /// `Arc<Policy>` (routes share the config's).
     decisions: HashMap<usize, DecisionCounters, foldhash::fast::RandomState>,
-    /// Each upstream's `sluice_upstream_seconds` histogram, by the address of
-    /// its `Arc<Upstream>` (as `decisions`).
+    /// Each upstream's `sluice_upstream_seconds` histogram, by [`addr`] of
+    /// its `Arc<Upstream>`.
     upstream_seconds: HashMap<usize, Histogram, foldhash::fast::RandomState>,
     /// `server.tls`'s certificate and key as this config's load found them:
     /// new connections use the current state's, so a reload puts a renewed
@@ -69,10 +68,17 @@ pub struct State {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
+/// Where a config's shared item lives: what the per-request lookups of its
+/// metrics hash (a pointer is cheaper to hash than a name, on every request).
+/// The state holds the config, so no address is reused while it is in use.
+fn addr<T>(item: &Arc<T>) -> usize {
+    Arc::as_ptr(item) as usize
+}
+
 impl State {
     /// Counts a decision; `outcome` indexes [`crate::metrics::OUTCOMES`].
     fn count_decision(&self, policy: &Arc<Policy>, outcome: usize) {
-        if let Some(counters) = self.decisions.get(&(Arc::as_ptr(policy) as usize)) {
+        if let Some(counters) = self.decisions.get(&addr(policy)) {
             counters[outcome].inc();
         }
     }
@@ -87,7 +93,7 @@ impl State {
         let decisions = config
             .policies
             .iter()
-            .map(|p| (Arc::as_ptr(p) as usize, metrics.decision_counters(&p.name)))
+            .map(|p| (addr(p), metrics.decision_counters(&p.name)))
             .collect();
         let upstream_seconds = config
             .upstreams
@@ -97,7 +103,7 @@ impl State {
                     upstream: Name(u.name.clone()),
                 };
                 let histogram = metrics.upstream_seconds.get_or_create(&label).clone();
-                (Arc::as_ptr(u) as usize, histogram)
+                (addr(u), histogram)
             })
             .collect();
         let tls = match &config.server.tls {
@@ -461,10 +467,7 @@ impl Proxy {
         let result = tokio::time::timeout_at(sent + timeout, client.request(server, req)).await;
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
-        if let Some(h) = state
-            .upstream_seconds
-            .get(&(Arc::as_ptr(upstream) as usize))
-        {
+        if let Some(h) = state.upstream_seconds.get(&addr(upstream)) {
             h.observe(took.as_secs_f64());
         }
         let mut resp = match result {
