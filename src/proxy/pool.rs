@@ -266,9 +266,11 @@ impl Body for PooledBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
         match &frame {
-            // The server stops polling once the body says it is complete.
+            // The server stops polling once the body says it is complete, or
+            // once it has had the trailers (always the last frame: hyper has
+            // read the whole answer by then).
             None => self.give_back(),
-            Some(Ok(_)) if self.inner.is_end_stream() => self.give_back(),
+            Some(Ok(f)) if f.is_trailers() || self.inner.is_end_stream() => self.give_back(),
             // A broken body leaves a broken connection: not pooled.
             Some(Err(_)) => self.back = None,
             Some(Ok(_)) => {}

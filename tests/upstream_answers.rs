@@ -1,0 +1,233 @@
+//! The answers real upstreams give, as a client of sluice sees them: chunked
+//! bodies with extensions and trailers, HTTP/1.0 bodies that end with the
+//! connection, bodiless answers (HEAD, 204, 304), interim 1xx answers, and
+//! broken framing. Each upstream here is a scripted TCP server that writes
+//! exact bytes, so the framing is what the test says it is; and whether
+//! sluice's pool kept the connection shows in how many it opened.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+
+use http::{Method, Request, StatusCode};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// An upstream that answers the n-th request it gets (over all its
+/// connections) with `script[n]`: the bytes, and whether to close the
+/// connection after them (which ends a body that has no length). Past the
+/// script it closes. Counts connections and requests.
+struct Scripted {
+    url: String,
+    conns: Arc<AtomicU64>,
+    requests: Arc<AtomicU64>,
+}
+
+type Answer = (&'static [u8], bool);
+
+impl Scripted {
+    async fn start(script: Vec<Answer>) -> Scripted {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (conns, requests) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (c, r) = (conns.clone(), requests.clone());
+        let script = Arc::new(script);
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                c.fetch_add(1, SeqCst);
+                let (r, script) = (r.clone(), script.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        // One request head (the requests here have no body).
+                        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                            let mut chunk = [0u8; 4096];
+                            match stream.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                            }
+                        }
+                        buf.clear();
+                        let n = r.fetch_add(1, SeqCst) as usize;
+                        let Some(&(answer, close)) = script.get(n) else {
+                            return;
+                        };
+                        if stream.write_all(answer).await.is_err() || close {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Scripted {
+            url,
+            conns,
+            requests,
+        }
+    }
+
+    fn counts(&self) -> (u64, u64) {
+        (self.conns.load(SeqCst), self.requests.load(SeqCst))
+    }
+}
+
+/// Two requests in a row through one sluice client connection.
+async fn twice(s: &Sluice, method: Method) -> (Reply, Reply) {
+    let c = client();
+    let ask = || {
+        let req = Request::builder()
+            .method(method.clone())
+            .uri(s.url("/"))
+            .body(empty())
+            .unwrap();
+        send(&c, req)
+    };
+    let first = ask().await;
+    (first, ask().await)
+}
+
+#[tokio::test]
+async fn chunked_bodies_with_extensions_and_trailers_arrive_whole() {
+    let answer: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+        5;name=value\r\nhello\r\n6\r\n world\r\n0\r\nx-checksum: 1\r\n\r\n";
+    let up = Scripted::start(vec![(answer, false), (answer, false)]).await;
+    let s = Sluice::start(&proxy_to(&up.url)).await;
+    let (a, b) = twice(&s, Method::GET).await;
+    for r in [&a, &b] {
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(&r.body[..], b"hello world");
+        assert!(r.header("transfer-encoding").is_none_or(|v| v == "chunked"));
+    }
+    // The connection was kept for the second request.
+    assert_eq!(up.counts(), (1, 2));
+}
+
+#[tokio::test]
+async fn an_http10_body_that_ends_with_the_connection_arrives_whole() {
+    let answer: &[u8] = b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end";
+    let up = Scripted::start(vec![(answer, true), (answer, true)]).await;
+    let s = Sluice::start(&proxy_to(&up.url)).await;
+    let (a, b) = twice(&s, Method::GET).await;
+    for r in [&a, &b] {
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(&r.body[..], b"until the end");
+    }
+    // A body that ends with the connection cannot leave it for reuse.
+    assert_eq!(up.counts(), (2, 2));
+}
+
+#[tokio::test]
+async fn bodiless_answers_keep_the_connection() {
+    // A HEAD's answer announces a length it does not send; 204 and 304 have
+    // no body whatever their headers say.
+    let cases: [(Method, &'static [u8], StatusCode); 3] = [
+        (
+            Method::HEAD,
+            b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n",
+            StatusCode::OK,
+        ),
+        (
+            Method::GET,
+            b"HTTP/1.1 204 No Content\r\n\r\n",
+            StatusCode::NO_CONTENT,
+        ),
+        (
+            Method::GET,
+            b"HTTP/1.1 304 Not Modified\r\netag: \"x\"\r\n\r\n",
+            StatusCode::NOT_MODIFIED,
+        ),
+    ];
+    for (method, answer, status) in cases {
+        let up = Scripted::start(vec![(answer, false), (answer, false)]).await;
+        let s = Sluice::start(&proxy_to(&up.url)).await;
+        let (a, b) = twice(&s, method.clone()).await;
+        for r in [&a, &b] {
+            assert_eq!(r.status, status, "{method} {status}");
+            assert!(r.body.is_empty(), "{method} {status}");
+        }
+        if method == Method::HEAD {
+            assert_eq!(a.header("content-length"), Some("1000"));
+        }
+        assert_eq!(up.counts(), (1, 2), "{method} {status}");
+    }
+}
+
+#[tokio::test]
+async fn an_interim_answer_is_passed_over_for_the_final_one() {
+    let answer: &[u8] = b"HTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\n\
+        HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfinal";
+    let up = Scripted::start(vec![(answer, false), (answer, false)]).await;
+    let s = Sluice::start(&proxy_to(&up.url)).await;
+    let (a, b) = twice(&s, Method::GET).await;
+    for r in [&a, &b] {
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(&r.body[..], b"final");
+    }
+    assert_eq!(up.counts(), (1, 2));
+}
+
+#[tokio::test]
+async fn broken_framing_is_a_502_and_the_connection_is_not_reused() {
+    // Each answer is framed wrongly: a length that is not a number, two
+    // lengths that disagree, a chunk size that is not hex.
+    let cases: [&'static [u8]; 3] = [
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5x\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+    ];
+    for answer in cases {
+        let good: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        let up = Scripted::start(vec![(answer, false), (good, false)]).await;
+        let s = Sluice::start(&proxy_to(&up.url)).await;
+        let head = String::from_utf8_lossy(&answer[..answer.len().min(60)]).into_owned();
+        // The chunked case fails only once the body is read: the head has
+        // gone out by then, so the client sees its connection cut instead.
+        let reply = raw(
+            s.addr,
+            b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(
+            reply.starts_with("HTTP/1.1 502") || !reply.contains("hello"),
+            "{head:?} gave {reply:?}"
+        );
+        // The next request gets a clean answer on a new connection.
+        let next = get(&s.url("/"), &[]).await;
+        assert_eq!(next.status, StatusCode::OK, "{head:?}");
+        assert_eq!(&next.body[..], b"ok", "{head:?}");
+        assert_eq!(up.counts().0, 2, "{head:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_body_cut_short_is_not_passed_on_as_whole() {
+    let short: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello";
+    let up = Scripted::start(vec![(short, true)]).await;
+    let s = Sluice::start(&proxy_to(&up.url)).await;
+    let reply = raw(
+        s.addr,
+        b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    // Either the head went out with the promised length and the connection
+    // was cut before it was met, or sluice answered 502 itself.
+    let cut_short = reply.contains("content-length: 10") && reply.ends_with("hello");
+    assert!(
+        cut_short || reply.starts_with("HTTP/1.1 502"),
+        "got {reply:?}"
+    );
+}
+
+#[tokio::test]
+async fn bytes_after_an_answer_never_become_the_next_answer() {
+    // The upstream sends more than its Content-Length says.
+    let answer: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nforged";
+    let good: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nreal";
+    let up = Scripted::start(vec![(answer, false), (good, false)]).await;
+    let s = Sluice::start(&proxy_to(&up.url)).await;
+    let (a, b) = twice(&s, Method::GET).await;
+    assert_eq!(&a.body[..], b"ok");
+    assert_ne!(&b.body[..], b"forged", "stray bytes served as an answer");
+}
