@@ -105,6 +105,35 @@ async fn chunked_bodies_with_extensions_and_trailers_arrive_whole() {
 }
 
 #[tokio::test]
+async fn declared_trailers_reach_a_client_that_accepts_them() {
+    let answer: &[u8] =
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-checksum\r\n\r\n\
+        5\r\nhello\r\n0\r\nx-checksum: 7\r\n\r\n";
+    let up = Scripted::start(vec![(answer, false), (answer, false), (answer, false)]).await;
+    let s = Sluice::start(&proxy_to(&up.url)).await;
+    let ask = |te: &str| {
+        format!("GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{te}\r\n").into_bytes()
+    };
+    let with = raw(s.addr, &ask("te: trailers\r\n")).await;
+    assert!(with.ends_with("0\r\nx-checksum: 7\r\n\r\n"), "{with:?}");
+    // A client that did not say it accepts trailers gets the body alone.
+    let without = raw(s.addr, &ask("")).await;
+    assert!(without.ends_with("hello\r\n0\r\n\r\n"), "{without:?}");
+    assert!(!without.contains("x-checksum: 7"), "{without:?}");
+    // HTTP/2 carries them as trailers.
+    use http_body_util::BodyExt;
+    let req = Request::get(s.url("/")).body(empty()).unwrap();
+    let resp = h2_client().request(req).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap();
+    let trailers = body.trailers().cloned().unwrap_or_default();
+    assert_eq!(
+        trailers.get("x-checksum").map(|v| v.as_bytes()),
+        Some(&b"7"[..])
+    );
+    assert_eq!(&body.to_bytes()[..], b"hello");
+}
+
+#[tokio::test]
 async fn an_http10_body_that_ends_with_the_connection_arrives_whole() {
     let answer: &[u8] = b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end";
     let up = Scripted::start(vec![(answer, true), (answer, true)]).await;

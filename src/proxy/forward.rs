@@ -23,15 +23,16 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1), and `Upgrade`, which is re-added
-/// for an upgrade only.
-static HOP_BY_HOP: [HeaderName; 9] = [
+/// for an upgrade only. `Trailer` is not one (RFC 2616 listed it; RFC 7230
+/// and 9110 do not): it declares the trailer fields, and hyper sends an
+/// HTTP/1.1 client only the trailers it declares.
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];
