@@ -240,11 +240,12 @@ async fn a_body_cut_short_is_not_passed_on_as_whole() {
         b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
     )
     .await;
-    // Either the head went out with the promised length and the connection
-    // was cut before it was met, or sluice answered 502 itself.
-    let cut_short = reply.contains("content-length: 10") && reply.ends_with("hello");
+    // Never a complete answer: sluice answers 502 itself, or the client's
+    // connection ends short of the promised length (after the head, or
+    // before it when the cut is seen before the head is flushed).
+    let cut_short = reply.contains("content-length: 10\r\n") && reply.ends_with("\r\n\r\nhello");
     assert!(
-        cut_short || reply.starts_with("HTTP/1.1 502"),
+        cut_short || reply.is_empty() || reply.starts_with("HTTP/1.1 502"),
         "got {reply:?}"
     );
 }
