@@ -469,7 +469,7 @@ async fn upstream_connections_are_pooled_and_reused() {
 /// timeout running out just as a pooled connection is used. Returns its URL,
 /// and the connections and requests it has seen.
 async fn closing_upstream() -> (String, Arc<AtomicU64>, Arc<AtomicU64>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (conns, requests) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -479,17 +479,10 @@ async fn closing_upstream() -> (String, Arc<AtomicU64>, Arc<AtomicU64>) {
             c.fetch_add(1, SeqCst);
             let r = r.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
                 for n in 0.. {
-                    // One request head (these requests carry no body that matters).
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let mut chunk = [0u8; 4096];
-                        match stream.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                        }
+                    if !read_request_head(&mut stream).await {
+                        return;
                     }
-                    buf.clear();
                     r.fetch_add(1, SeqCst);
                     if n > 0 {
                         return;

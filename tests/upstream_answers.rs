@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 
 use http::{Method, Request, StatusCode};
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
 /// An upstream that answers the n-th request it gets (over all its
@@ -39,17 +39,7 @@ impl Scripted {
                 c.fetch_add(1, SeqCst);
                 let (r, script) = (r.clone(), script.clone());
                 tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    loop {
-                        // One request head (the requests here have no body).
-                        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                            let mut chunk = [0u8; 4096];
-                            match stream.read(&mut chunk).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                            }
-                        }
-                        buf.clear();
+                    while read_request_head(&mut stream).await {
                         let n = r.fetch_add(1, SeqCst) as usize;
                         let Some(&(answer, close)) = script.get(n) else {
                             return;

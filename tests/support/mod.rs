@@ -341,6 +341,22 @@ pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Reads one request head (up to its blank line) from `stream`, for upstreams
+/// scripted byte by byte; the requests they get carry no body that matters.
+/// False once the connection has ended.
+pub async fn read_request_head(stream: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut chunk = [0u8; 4096];
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(k) => head.extend_from_slice(&chunk[..k]),
+        }
+    }
+    true
+}
+
 /// Polls `cond` until it holds (at most 5 s): for waiting on an event, never
 /// for letting time pass.
 pub async fn wait_until(mut cond: impl FnMut() -> bool) {
