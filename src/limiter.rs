@@ -15,7 +15,7 @@ use crate::clock::Clock;
 use crate::config::{Charge, KeySpec, Mode, Policy};
 use crate::deny_cache::DenyCache;
 use crate::identity::{self, Identity};
-use crate::store::{Counter, Memo, Store, StoreError};
+use crate::store::{Counter, Key, Memo, PerCounter, Store, StoreError};
 
 pub struct Limiter {
     store: Store,
@@ -279,9 +279,9 @@ pub struct Counters {
     policy: Arc<Policy>,
     /// One per distinct key spec of the policy, in order of first use.
     ids: Vec<Identity>,
-    list: Vec<Counter>,
+    list: PerCounter<Counter>,
     /// For each counter, the index of its limit in the policy.
-    limit_of: Vec<usize>,
+    limit_of: PerCounter<usize>,
     /// The store's encoding of `list`, kept while the connection reuses it.
     memo: Memo,
 }
@@ -289,8 +289,8 @@ pub struct Counters {
 impl Counters {
     fn build(policy: &Arc<Policy>, ids: Vec<Identity>) -> Counters {
         let n = policy.limits.len();
-        let mut list: Vec<Counter> = Vec::with_capacity(n);
-        let mut limit_of = Vec::with_capacity(n);
+        let mut list = PerCounter::<Counter>::with_capacity(n);
+        let mut limit_of = PerCounter::with_capacity(n);
         // Limits usually share their keys: hash each identity once.
         let groups: Vec<Vec<u8>> = ids.iter().map(|id| group_key(&policy.name, id)).collect();
         for (i, limit) in policy.limits.iter().enumerate() {
@@ -398,7 +398,7 @@ fn counter(policy: &str, limit: &crate::config::Limit, id: &Identity) -> Counter
 
 /// The counter of one limit in an identity's group (see [`group_key`]).
 fn counter_in(group: &[u8], limit: &crate::config::Limit) -> Counter {
-    let mut key = Vec::with_capacity(group.len() + 1 + limit.id.len());
+    let mut key = Key::with_capacity(group.len() + 1 + limit.id.len());
     key.extend_from_slice(group);
     key.push(b':');
     key.extend_from_slice(limit.id.as_bytes());

@@ -51,7 +51,9 @@ fn store_at(url: Option<String>, cluster: Vec<String>, prefix: &str) -> RedisSto
 
 fn counter(id: &str, limit: u64, window_ms: u64, algorithm: Algorithm) -> Counter {
     Counter {
-        key: format!("{{{id}}}:{}:{window_ms}", algorithm.name()).into_bytes(),
+        key: format!("{{{id}}}:{}:{window_ms}", algorithm.name())
+            .as_bytes()
+            .into(),
         group_len: id.len() + 2,
         limit,
         window_ms,
@@ -343,7 +345,7 @@ async fn redis_log_counts_thousands_in_one_millisecond_across_instances() {
         admitted += u64::from(t.await.unwrap());
     }
     assert_eq!(admitted, 1_000);
-    let key = format!("log:{}", String::from_utf8(c.key).unwrap());
+    let key = format!("log:{}", String::from_utf8(c.key.to_vec()).unwrap());
     let units: u64 = redis::cmd("ZCARD")
         .arg(key)
         .query(&mut redis.conn())

@@ -199,7 +199,7 @@ async fn replies_to_timed_out_calls_do_not_reach_later_calls() {
     })
     .unwrap();
     let counter = |id: &str| Counter {
-        key: format!("{{{id}}}:p:0").into_bytes(),
+        key: format!("{{{id}}}:p:0").as_bytes().into(),
         group_len: id.len() + 4,
         limit: 100,
         window_ms: 3_600_000,

@@ -70,9 +70,12 @@ enum State {
         start: u64,
         count: u64,
     },
-    /// (bucket index, units), oldest first.
+    /// (bucket index, units), oldest first, and the sum of their units:
+    /// a check then walks only the buckets that left the window, not all
+    /// of them (up to 1,000).
     Sliding {
         buckets: VecDeque<(u64, u64)>,
+        total: u64,
     },
     /// (time ms, units, id), oldest first.
     Log {
@@ -289,6 +292,7 @@ fn empty(algorithm: Algorithm) -> State {
         Algorithm::Fixed => State::Fixed { start: 0, count: 0 },
         Algorithm::Sliding { .. } => State::Sliding {
             buckets: VecDeque::new(),
+            total: 0,
         },
         Algorithm::Log => State::Log {
             entries: VecDeque::new(),
@@ -330,15 +334,21 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
         (Algorithm::Sliding { precision }, state) => {
             let (p, n, b) = buckets(c, precision.as_millis() as u64, now);
             let none = VecDeque::new();
-            let all = match state {
-                Some(State::Sliding { buckets }) => buckets,
-                _ => &none,
+            let (all, total) = match state {
+                Some(State::Sliding { buckets, total }) => (buckets, *total),
+                _ => (&none, 0),
             };
             // A bucket refunded to zero counts for nothing, not even the
-            // reset. (Filtered in place, twice at most: collecting them cost an
-            // allocation per decision.)
+            // reset. (Filtered in place: collecting them cost an allocation
+            // per decision.)
             let live = || all.iter().copied().filter(|&(i, u)| i + n > b && u > 0);
-            let used: u64 = live().map(|(_, u)| u).sum();
+            // Buckets leave the window from the front.
+            let gone: u64 = all
+                .iter()
+                .take_while(|&&(i, _)| i + n <= b)
+                .map(|&(_, u)| u)
+                .sum();
+            let used = total.saturating_sub(gone);
             // Reset: when every unit counted now has left the window. A
             // request that passes lands in the current bucket; one that is
             // refused leaves the newest bucket holding units as the last.
@@ -449,15 +459,25 @@ fn charge(state: &mut State, c: &Counter, cost: u64, now: u64, id: u64) -> u64 {
             *count += cost;
             current
         }
-        (State::Sliding { buckets: list }, Algorithm::Sliding { precision }) => {
+        (
+            State::Sliding {
+                buckets: list,
+                total,
+            },
+            Algorithm::Sliding { precision },
+        ) => {
             let (_, n, b) = buckets(c, precision.as_millis() as u64, now);
-            while list.front().is_some_and(|(i, _)| i + n <= b) {
+            while let Some(&(i, units)) = list.front()
+                && i + n <= b
+            {
+                *total -= units;
                 list.pop_front();
             }
             match list.back_mut() {
                 Some((i, units)) if *i == b => *units += cost,
                 _ => list.push_back((b, cost)),
             }
+            *total += cost;
             b
         }
         (State::Log { entries }, _) => {
@@ -490,9 +510,11 @@ fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
         (State::Fixed { start, count }, Algorithm::Fixed) if *start == mark => {
             *count = count.saturating_sub(cost);
         }
-        (State::Sliding { buckets }, Algorithm::Sliding { .. }) => {
+        (State::Sliding { buckets, total }, Algorithm::Sliding { .. }) => {
             if let Some((_, units)) = buckets.iter_mut().find(|(i, _)| *i == mark) {
-                *units = units.saturating_sub(cost);
+                let back = cost.min(*units);
+                *units -= back;
+                *total -= back;
             }
         }
         (State::Log { entries }, Algorithm::Log) => {
@@ -516,7 +538,7 @@ fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
 fn expiry(state: &State, c: &Counter) -> u64 {
     match (state, c.algorithm) {
         (State::Fixed { start, .. }, _) => start + c.window_ms,
-        (State::Sliding { buckets }, Algorithm::Sliding { precision }) => {
+        (State::Sliding { buckets, .. }, Algorithm::Sliding { precision }) => {
             let p = precision.as_millis() as u64;
             buckets.back().map_or(0, |(i, _)| (i + c.window_ms / p) * p)
         }
@@ -534,7 +556,7 @@ mod tests {
     fn counter(who: u32, limit: u64) -> Counter {
         let group = format!("{{{who:08}}}:p");
         Counter {
-            key: format!("{group}:{limit}").into_bytes(),
+            key: format!("{group}:{limit}").as_bytes().into(),
             group_len: group.len(),
             limit: 100,
             window_ms: 1_000 * limit,

@@ -23,12 +23,18 @@ pub mod redis;
 
 use crate::config::Algorithm;
 
+/// A counter's key. Inline up to 56 bytes, which holds `{TAG}:POLICY:LIMIT`
+/// for policy names of up to about 17 characters: a connection's counters,
+/// keys included, then sit together in one allocation (a decision read
+/// them from a handful of scattered cache lines).
+pub type Key = smallvec::SmallVec<[u8; 56]>;
+
 /// One counter a decision touches: a limit of a policy for one identity.
 #[derive(Debug, Clone)]
 pub struct Counter {
     /// Unique among all counters (the limiter builds it from policy, limit and
     /// identity, as `{TAG}:POLICY:LIMIT`); the store adds its own prefix.
-    pub key: Vec<u8>,
+    pub key: Key,
     /// Length of the `{TAG}:POLICY` part of `key`: the Redis store keeps all
     /// counters of one identity and policy in one key, one record per limit.
     pub group_len: usize,
@@ -56,6 +62,10 @@ pub struct CounterState {
     /// When it denied: ms until the same request would pass; 0 when it allowed.
     pub retry_ms: u64,
 }
+
+/// One entry per counter of a policy: inline for up to 4 counters (a
+/// policy's limits times its keys is rarely more).
+pub type PerCounter<T> = smallvec::SmallVec<[T; 4]>;
 
 /// The answer to [`Store::acquire`].
 #[derive(Debug, Clone, PartialEq, Eq)]
