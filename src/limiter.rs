@@ -149,7 +149,7 @@ impl Limiter {
             index: 0,
         });
         let ticket = Ticket {
-            counters: set.clone(),
+            counters: set,
             marks: outcome.marks,
             cost,
         };
