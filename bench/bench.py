@@ -395,6 +395,17 @@ upstream = "api"
         machine += "; " + subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0].split(" [")[0]
         lines.append("")
         lines.append(f"medians of {args.rounds} round(s) of {args.duration} s; ratios: the median of each round's ratio to nginx; {machine}")
+        # How quiet the machine was: nginx's own cost should not move between
+        # rounds, so its spread is what the neighbours added. A ratio within
+        # that much of its target is not decided by this run.
+        for c in conns_list:
+            cpus = [r["cpu_us"] for r in results[("nginx", c)]]
+            spread = max(cpus) / min(cpus) - 1
+            verdict = ("one round: run several to see the noise" if len(cpus) < 2 else
+                       "quiet" if spread <= 0.05 else
+                       "noisy: rerun when the machine is quieter before reading a ratio near its target")
+            lines.append(f"nginx -c{c}: {min(cpus):.1f}-{max(cpus):.1f} us CPU per request over the rounds "
+                         f"(spread {spread * 100:.0f} %, {verdict})")
         table = "\n".join(lines)
         print("\n" + table)
         os.makedirs(RESULTS, exist_ok=True)
