@@ -1,9 +1,10 @@
 //! The answers real upstreams give, as a client of sluice sees them: chunked
 //! bodies with extensions and trailers, HTTP/1.0 bodies that end with the
-//! connection, bodiless answers (HEAD, 204, 304), interim 1xx answers, and
-//! broken framing. Each upstream here is a scripted TCP server that writes
-//! exact bytes, so the framing is what the test says it is; and whether
-//! sluice's pool kept the connection shows in how many it opened.
+//! connection, bodiless answers (HEAD, 204, 304), interim 1xx answers, broken
+//! framing, and what an answer says about keeping its connection. Each
+//! upstream here is a scripted TCP server that writes exact bytes, so the
+//! framing is what the test says it is; and whether sluice's pool kept the
+//! connection shows in how many it opened.
 
 mod support;
 
@@ -250,4 +251,34 @@ async fn bytes_after_an_answer_never_become_the_next_answer() {
     let (a, b) = twice(&s, Method::GET).await;
     assert_eq!(&a.body[..], b"ok");
     assert_ne!(&b.body[..], b"forged", "stray bytes served as an answer");
+}
+
+#[tokio::test]
+async fn the_upstreams_word_on_keeping_its_connection_is_followed() {
+    // (answer, connections two requests take)
+    let cases: [(&'static [u8], u64); 3] = [
+        // HTTP/1.1 keeps it unless told otherwise...
+        (
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+            2,
+        ),
+        // ...HTTP/1.0 closes it unless told otherwise.
+        (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok", 2),
+        (
+            b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 2\r\n\r\nok",
+            1,
+        ),
+    ];
+    for (answer, conns) in cases {
+        // The upstream itself never closes: only sluice's choice shows.
+        let up = Scripted::start(vec![(answer, false), (answer, false)]).await;
+        let s = Sluice::start(&proxy_to(&up.url)).await;
+        let (a, b) = twice(&s, Method::GET).await;
+        let head = String::from_utf8_lossy(&answer[..30]).into_owned();
+        for r in [&a, &b] {
+            assert_eq!(r.status, StatusCode::OK, "{head}");
+            assert_eq!(&r.body[..], b"ok", "{head}");
+        }
+        assert_eq!(up.counts(), (conns, 2), "{head}");
+    }
 }

@@ -10,11 +10,13 @@
 //!
 //! - `forward.rs`: request/response rewriting for the upstream;
 //! - `pool.rs`: the upstream client and its keep-alive connections;
+//! - `h1.rs`: sluice's own HTTP/1.1 exchange, for requests without a body;
 //! - `error.rs`: the errors sluice answers itself, as problem+json;
 //! - `ratelimit_headers.rs`: the `X-RateLimit-*` / IETF headers.
 
 mod error;
 mod forward;
+mod h1;
 mod pool;
 mod ratelimit_headers;
 
@@ -464,7 +466,11 @@ impl Proxy {
         // One clock read for the deadline and the histogram.
         let sent = tokio::time::Instant::now();
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
-        let result = tokio::time::timeout_at(sent + timeout, client.request(server, req)).await;
+        let result = tokio::time::timeout_at(
+            sent + timeout,
+            client.request(server, req, upgrade.is_some()),
+        )
+        .await;
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
         if let Some(h) = state.upstream_seconds.get(&addr(upstream)) {

@@ -1,16 +1,23 @@
 //! The upstream client: keep-alive HTTP/1.1 connections to the upstreams,
 //! plain or TLS, kept in a pool per origin.
 //!
-//! hyper's own connections (`hyper::client::conn::http1`), each driven by a
-//! task of its own, with a pool kept as simple as the proxy needs: a stack of
-//! idle connections per origin, last used first. A connection goes back to
-//! the pool when the response body has been read to its end (the wrapper
-//! [`PooledBody`] sees it), not before: a connection still streaming a body
-//! cannot take another request, and one whose body was abandoned is closed
-//! by hyper. Compared with hyper-util's general-purpose client this saves, per
-//! request, a pool checkout future, a task that waits for the connection to
-//! be idle again, and several moves of the request (measured: about 5,000
-//! instructions of sluice's 48,000 per request).
+//! Two ways to make an exchange, each with its own idle connections:
+//!
+//! - **sluice's own** ([`super::h1`]), for the usual request: no body, no
+//!   upgrade, to a plain-HTTP upstream. The request's task writes the head
+//!   and reads the answer itself (measured: about a fifth of the instructions
+//!   per proxied `GET`, see README Performance).
+//! - **hyper's** (`hyper::client::conn::http1`), for the rest: requests with
+//!   a body (streamed both ways at once), upgrades, TLS upstreams. Each
+//!   connection is driven by a task of its own.
+//!
+//! So an upstream that gets both kinds of request holds up to two sets of
+//! idle connections from one sluice. Either pool is as simple as the proxy
+//! needs: a stack of idle connections per origin, last used first. A
+//! connection goes back to its pool when the response body has been read to
+//! its end (the wrapper [`PooledBody`] sees it), not before: a connection
+//! still streaming a body cannot take another request, and one whose body
+//! was abandoned is closed.
 //!
 //! A pooled connection the upstream closed just as it was picked fails
 //! before the request is written; the request is then sent once more on a
@@ -19,8 +26,9 @@
 //! no answer: a request that can safely be sent again (`GET`, `HEAD`,
 //! `OPTIONS`, `TRACE`, without a body, as Go's client and nginx judge it) is
 //! sent once more on a new connection, when its connection had been idle long
-//! enough for that to be the likely cause. Its head is kept for that only then:
-//! a busy connection is never idle that long, and the copy is not free.
+//! enough for that to be the likely cause. (hyper's way keeps a copy of the
+//! head for that only then: a busy connection is never idle that long, and
+//! the copy is not free. Sluice's own way has the head's bytes anyway.)
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -36,6 +44,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+use super::h1;
 use crate::coalesce::Coalesce;
 use crate::config::UpstreamServer;
 use crate::tls::TlsError;
@@ -51,52 +60,84 @@ const REPLAY_AFTER_IDLE: Duration = Duration::from_millis(100);
 /// An upstream origin: TLS or not, and `host:port`.
 type Origin = (bool, HeaderValue);
 
-struct Idle {
-    sender: SendRequest<UpBody>,
+/// A kept connection that can tell whether it is still worth using.
+trait Reusable {
+    fn is_open(&self) -> bool;
+}
+
+impl Reusable for SendRequest<UpBody> {
+    fn is_open(&self) -> bool {
+        !self.is_closed()
+    }
+}
+
+impl Reusable for h1::Conn {
+    fn is_open(&self) -> bool {
+        self.is_quiet()
+    }
+}
+
+struct Idle<C> {
+    conn: C,
     since: Instant,
 }
 
-#[derive(Default)]
-struct Pools {
-    idle: Mutex<HashMap<Origin, Vec<Idle>, foldhash::fast::RandomState>>,
+/// Idle connections by origin, each origin's a stack.
+struct Stacks<C> {
+    idle: Mutex<HashMap<Origin, Vec<Idle<C>>, foldhash::fast::RandomState>>,
 }
 
-impl Pools {
+impl<C> Default for Stacks<C> {
+    fn default() -> Self {
+        Stacks {
+            idle: Mutex::default(),
+        }
+    }
+}
+
+impl<C: Reusable> Stacks<C> {
     fn lock(
         &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<Origin, Vec<Idle>, foldhash::fast::RandomState>> {
+    ) -> std::sync::MutexGuard<'_, HashMap<Origin, Vec<Idle<C>>, foldhash::fast::RandomState>> {
         // Nothing panics while holding the lock; a poisoned one is still sound.
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The most recently used idle connection of `origin` that is still open,
     /// and how long it was idle.
-    fn checkout(&self, origin: &Origin) -> Option<(SendRequest<UpBody>, Duration)> {
+    fn checkout(&self, origin: &Origin) -> Option<(C, Duration)> {
         let mut pools = self.lock();
         let stack = pools.get_mut(origin)?;
         while let Some(idle) = stack.pop() {
             let idle_for = idle.since.elapsed();
-            if !idle.sender.is_closed() && idle_for < IDLE_TIMEOUT {
-                return Some((idle.sender, idle_for));
+            if idle_for < IDLE_TIMEOUT && idle.conn.is_open() {
+                return Some((idle.conn, idle_for));
             }
         }
         None
     }
 
-    fn give_back(&self, origin: Origin, sender: SendRequest<UpBody>) {
-        if sender.is_closed() {
+    fn give_back(&self, origin: Origin, conn: C) {
+        if !conn.is_open() {
             return;
         }
         let now = Instant::now();
         let mut pools = self.lock();
         let stack = pools.entry(origin).or_default();
         // The oldest is at the bottom: drop it once it is too old or the
-        // stack too high (dropping the sender closes its connection).
+        // stack too high (dropping a connection closes it).
         if stack.first().is_some_and(|i| now - i.since >= IDLE_TIMEOUT) || stack.len() >= MAX_IDLE {
             stack.remove(0);
         }
-        stack.push(Idle { sender, since: now });
+        stack.push(Idle { conn, since: now });
     }
+}
+
+/// The idle connections of both ways of making an exchange.
+#[derive(Default)]
+struct Pools {
+    hyper: Stacks<SendRequest<UpBody>>,
+    own: Stacks<h1::Conn>,
 }
 
 /// Why an upstream request failed.
@@ -109,6 +150,9 @@ pub enum UpstreamError {
     /// The exchange failed on an open connection.
     #[error(transparent)]
     Http(#[from] hyper::Error),
+    /// The exchange failed on an open connection (sluice's own client).
+    #[error(transparent)]
+    Own(#[from] h1::H1Error),
 }
 
 /// The client of every upstream that trusts the same CAs.
@@ -129,16 +173,21 @@ impl UpstreamClient {
         })
     }
 
-    /// Sends `req` (its URI in origin form, its `Host` set) to `server`.
+    /// Sends `req` (its URI in origin form, its `Host` set) to `server`;
+    /// `upgrade`: it asks to switch protocols.
     pub async fn request(
         &self,
         server: &UpstreamServer,
         req: Request<Incoming>,
+        upgrade: bool,
     ) -> Result<Response<PooledBody>, UpstreamError> {
         let origin: Origin = (
             server.scheme == http::uri::Scheme::HTTPS,
             server.host.clone(),
         );
+        if !origin.0 && !upgrade && req.body().is_end_stream() && req.method() != Method::CONNECT {
+            return self.request_own(server, origin, &req).await;
+        }
         let mut req = req.map(UpBody::Stream);
         // Set once a request was resent: it goes on a new connection.
         let mut fresh = false;
@@ -146,13 +195,13 @@ impl UpstreamClient {
             let pooled = if fresh {
                 None
             } else {
-                self.pools.checkout(&origin)
+                self.pools.hyper.checkout(&origin)
             };
             let (mut sender, idle_for, reused) = match pooled {
                 Some((sender, idle_for)) => (sender, idle_for, true),
                 // Boxed: rare once the pool is warm, and its state is large.
                 None => {
-                    let sender = Box::pin(self.connect(server, origin.0)).await?;
+                    let sender = Box::pin(self.connect_hyper(server, origin.0)).await?;
                     (sender, Duration::ZERO, false)
                 }
             };
@@ -167,7 +216,7 @@ impl UpstreamClient {
                 Ok(resp) => {
                     let back = (resp.status() != StatusCode::SWITCHING_PROTOCOLS)
                         .then(|| (sender, Arc::clone(&self.pools), origin));
-                    return Ok(resp.map(|body| PooledBody::new(body, back)));
+                    return Ok(resp.map(|body| PooledBody::hyper(body, back)));
                 }
                 Err(mut e) => match (e.take_message(), replay) {
                     // Not sent: the connection was closed under it. A fresh
@@ -184,12 +233,57 @@ impl UpstreamClient {
         }
     }
 
-    /// A new connection to `server`, its task spawned.
-    async fn connect(
+    /// Sends a request without a body the own way ([`h1`]).
+    async fn request_own(
+        &self,
+        server: &UpstreamServer,
+        origin: Origin,
+        req: &Request<Incoming>,
+    ) -> Result<Response<PooledBody>, UpstreamError> {
+        let head = h1::request_head(req);
+        let head_only = req.method() == Method::HEAD;
+        let safe = matches!(
+            *req.method(),
+            Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+        );
+        // Set once a request was resent: it goes on a new connection.
+        let mut fresh = false;
+        loop {
+            let pooled = if fresh {
+                None
+            } else {
+                self.pools.own.checkout(&origin)
+            };
+            let (mut conn, idle_for, reused) = match pooled {
+                Some((conn, idle_for)) => (conn, idle_for, true),
+                None => (
+                    h1::Conn::new(self.connect_tcp(server, false).await?),
+                    Duration::ZERO,
+                    false,
+                ),
+            };
+            match h1::send(&mut conn, &head, head_only).await {
+                Ok((resp, reader)) => {
+                    let back = (Arc::clone(&self.pools), origin);
+                    return Ok(resp.map(|()| PooledBody::own(conn, reader, back)));
+                }
+                // Not sent: the connection was closed under it.
+                Err(h1::H1Error::NotSent(_)) if reused => {}
+                // Sent, and the connection closed without an answer.
+                Err(h1::H1Error::Unanswered) if reused && safe && idle_for >= REPLAY_AFTER_IDLE => {
+                    fresh = true;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// A new TCP connection to `server`.
+    async fn connect_tcp(
         &self,
         server: &UpstreamServer,
         tls: bool,
-    ) -> Result<SendRequest<UpBody>, UpstreamError> {
+    ) -> Result<TcpStream, UpstreamError> {
         let failed = |reason: String| UpstreamError::Connect {
             server: server.to_string(),
             reason,
@@ -207,6 +301,20 @@ impl UpstreamClient {
         let _ = tcp.set_nodelay(true);
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
+        Ok(tcp)
+    }
+
+    /// A new hyper connection to `server`, its task spawned.
+    async fn connect_hyper(
+        &self,
+        server: &UpstreamServer,
+        tls: bool,
+    ) -> Result<SendRequest<UpBody>, UpstreamError> {
+        let failed = |reason: String| UpstreamError::Connect {
+            server: server.to_string(),
+            reason,
+        };
+        let tcp = self.connect_tcp(server, tls).await?;
         let builder = http1::Builder::new();
         if !tls {
             let (sender, conn) = builder
@@ -216,6 +324,11 @@ impl UpstreamClient {
             tokio::spawn(conn.with_upgrades());
             return Ok(sender);
         }
+        let bare = server
+            .authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
         let name = rustls::pki_types::ServerName::try_from(bare.to_string())
             .map_err(|e| failed(format!("not a TLS server name: {e}")))?;
         let stream = self
@@ -234,56 +347,127 @@ impl UpstreamClient {
 
 /// An upstream response body that returns its connection to the pool once
 /// read to the end.
-pub struct PooledBody {
-    inner: Incoming,
-    back: Option<(SendRequest<UpBody>, Arc<Pools>, Origin)>,
+pub struct PooledBody(Read);
+
+type Back<C> = (C, Arc<Pools>, Origin);
+
+enum Read {
+    Hyper {
+        inner: Incoming,
+        back: Option<Back<SendRequest<UpBody>>>,
+    },
+    Own {
+        reader: h1::Reader,
+        /// The connection, while the body is being read from it.
+        back: Option<Back<h1::Conn>>,
+    },
 }
 
 impl PooledBody {
-    fn new(inner: Incoming, back: Option<(SendRequest<UpBody>, Arc<Pools>, Origin)>) -> PooledBody {
-        let mut body = PooledBody { inner, back };
+    fn hyper(inner: Incoming, back: Option<Back<SendRequest<UpBody>>>) -> PooledBody {
+        let end = inner.is_end_stream();
+        let mut body = PooledBody(Read::Hyper { inner, back });
         // An empty body (a 204, a HEAD) may never be polled.
-        if body.inner.is_end_stream() {
+        if end {
+            body.give_back();
+        }
+        body
+    }
+
+    fn own(
+        conn: h1::Conn,
+        reader: h1::Reader,
+        (pools, origin): (Arc<Pools>, Origin),
+    ) -> PooledBody {
+        let end = reader.is_end();
+        let mut body = PooledBody(Read::Own {
+            reader,
+            back: Some((conn, pools, origin)),
+        });
+        if end {
             body.give_back();
         }
         body
     }
 
     fn give_back(&mut self) {
-        if let Some((sender, pools, origin)) = self.back.take() {
-            pools.give_back(origin, sender);
+        match &mut self.0 {
+            Read::Hyper { back, .. } => {
+                if let Some((sender, pools, origin)) = back.take() {
+                    pools.hyper.give_back(origin, sender);
+                }
+            }
+            Read::Own { reader, back } => {
+                if let Some((conn, pools, origin)) = back.take()
+                    && reader.reusable(&conn)
+                {
+                    pools.own.give_back(origin, conn);
+                }
+            }
         }
     }
 }
 
 impl Body for PooledBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
-        match &frame {
-            // The server stops polling once the body says it is complete, or
-            // once it has had the trailers (always the last frame: hyper has
-            // read the whole answer by then).
-            None => self.give_back(),
-            Some(Ok(f)) if f.is_trailers() || self.inner.is_end_stream() => self.give_back(),
-            // A broken body leaves a broken connection: not pooled.
-            Some(Err(_)) => self.back = None,
-            Some(Ok(_)) => {}
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        let (frame, end) = match &mut this.0 {
+            Read::Hyper { inner, back } => {
+                let frame = ready!(Pin::new(&mut *inner).poll_frame(cx));
+                // The server stops polling once the body says it is complete,
+                // or once it has had the trailers (always the last frame:
+                // hyper has read the whole answer by then).
+                let end = match &frame {
+                    None => true,
+                    Some(Ok(f)) => f.is_trailers() || inner.is_end_stream(),
+                    // A broken body leaves a broken connection: not pooled.
+                    Some(Err(_)) => {
+                        *back = None;
+                        false
+                    }
+                };
+                (frame.map(|f| f.map_err(Into::into)), end)
+            }
+            Read::Own { reader, back } => {
+                let Some((conn, _, _)) = back else {
+                    return Poll::Ready(None);
+                };
+                let frame = ready!(reader.poll_frame(conn, cx));
+                let end = match &frame {
+                    None => true,
+                    Some(Ok(f)) => f.is_trailers() || reader.is_end(),
+                    Some(Err(_)) => {
+                        *back = None;
+                        false
+                    }
+                };
+                (frame.map(|f| f.map_err(Into::into)), end)
+            }
+        };
+        if end {
+            this.give_back();
         }
         Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        match &self.0 {
+            Read::Hyper { inner, .. } => inner.is_end_stream(),
+            Read::Own { reader, back } => back.is_none() || reader.is_end(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.0 {
+            Read::Hyper { inner, .. } => inner.size_hint(),
+            Read::Own { reader, .. } => reader.size_hint(),
+        }
     }
 }
 

@@ -1,0 +1,511 @@
+//! sluice's own HTTP/1.1 client exchange, for the usual request: no body, no
+//! upgrade, to a plain-HTTP upstream (see [`super::pool`] for who uses it).
+//!
+//! hyper's client runs each upstream connection as a task of its own, handed
+//! the request and its answer through channels; for a `GET` that is about a
+//! fifth of sluice's work per request. Here the request's own task writes the
+//! head and reads the answer, on a connection with one buffer kept for its
+//! life. What an answer may be is handled in full (RFC 9112 §6.3): interim
+//! 1xx answers skipped, bodiless answers (`HEAD`, 204, 304), `Content-Length`
+//! (every copy checked, digits only), chunked bodies with their extensions
+//! and trailers, and bodies that end with the connection. A connection is
+//! kept only when its answer said so, ended exactly where its framing said,
+//! and nothing has come since.
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Version};
+use hyper::body::{Frame, SizeHint};
+use smallvec::SmallVec;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The most header fields an answer head (or its trailers) may have.
+const MAX_HEADERS: usize = 100;
+/// The longest answer head, trailer section or chunk-size line read.
+const MAX_HEAD: usize = 64 * 1024;
+/// Room made in the buffer before each read.
+const READ_SIZE: usize = 8 * 1024;
+
+/// Why an exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum H1Error {
+    /// The request could not be written: the connection was already closed,
+    /// so the upstream never had it.
+    #[error("the connection was closed before the request was sent: {0}")]
+    NotSent(io::Error),
+    /// Written, then the connection ended before any byte of an answer.
+    #[error("the connection closed without an answer")]
+    Unanswered,
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("malformed answer head: {0}")]
+    Head(httparse::Error),
+    #[error("answer head over {MAX_HEAD} bytes")]
+    HeadTooLarge,
+    #[error("{0}")]
+    Framing(&'static str),
+    #[error("the connection closed in the middle of the body")]
+    CutShort,
+}
+
+/// An open connection to an upstream and what was read from it.
+pub struct Conn {
+    stream: TcpStream,
+    buf: BytesMut,
+}
+
+impl Conn {
+    pub fn new(stream: TcpStream) -> Conn {
+        Conn {
+            stream,
+            buf: BytesMut::with_capacity(READ_SIZE),
+        }
+    }
+
+    /// True while the upstream has sent nothing since the last answer: not
+    /// its end (a close), not stray bytes. Costs a system call only when the
+    /// runtime saw the socket readable, which an idle kept connection is not.
+    pub fn is_quiet(&self) -> bool {
+        let mut probe = [0u8; 1];
+        self.buf.is_empty()
+            && matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+}
+
+/// The head of `req` (already rewritten for the upstream: origin form,
+/// `Host` set, hop-by-hop headers gone) as HTTP/1.1 bytes.
+pub fn request_head<B>(req: &Request<B>) -> Vec<u8> {
+    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    let fields: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    let mut head = Vec::with_capacity(req.method().as_str().len() + pq.len() + 13 + fields + 2);
+    head.extend_from_slice(req.method().as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(pq.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in req.headers() {
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    head
+}
+
+/// Writes `head` and reads the final answer's head. `head_only`: the request
+/// was a `HEAD`, whose answer has no body whatever it announces.
+pub async fn send(
+    conn: &mut Conn,
+    head: &[u8],
+    head_only: bool,
+) -> Result<(Response<()>, Reader), H1Error> {
+    conn.stream
+        .write_all(head)
+        .await
+        .map_err(H1Error::NotSent)?;
+    loop {
+        if let Some(answer) = parse_head(&mut conn.buf)? {
+            let (resp, keep) = answer;
+            let status = resp.status();
+            if status.is_informational() {
+                if status == StatusCode::SWITCHING_PROTOCOLS {
+                    return Err(H1Error::Framing(
+                        "a 101 to a request that asked for no upgrade",
+                    ));
+                }
+                continue;
+            }
+            let (framing, keep) = framing(head_only, status, resp.headers(), keep)?;
+            return Ok((resp, Reader { framing, keep }));
+        }
+        let had = !conn.buf.is_empty();
+        if conn.buf.len() >= MAX_HEAD {
+            return Err(H1Error::HeadTooLarge);
+        }
+        conn.buf.reserve(READ_SIZE);
+        match conn.stream.read_buf(&mut conn.buf).await {
+            Ok(0) if had => return Err(H1Error::CutShort),
+            Ok(0) => return Err(H1Error::Unanswered),
+            Ok(_) => {}
+            Err(e) if !had && is_reset(&e) => return Err(H1Error::Unanswered),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn is_reset(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionAborted
+    )
+}
+
+/// One answer head from the front of `buf`, taken out of it, with whether
+/// its connection may be kept; `None` if the head is not all there yet.
+fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, bool)>, H1Error> {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut parsed,
+        buf,
+        &mut slots,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(H1Error::Head(e)),
+    };
+    let code = parsed.code.unwrap_or(0);
+    let status =
+        StatusCode::from_u16(code).map_err(|_| H1Error::Framing("a status code out of range"))?;
+    let version = if parsed.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    // The values stay where they were read: as slices of the head, not copies.
+    let start = buf.as_ptr() as usize;
+    let mut fields: SmallVec<[(HeaderName, usize, usize); 16]> = SmallVec::new();
+    for h in parsed.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes())
+            .map_err(|_| H1Error::Framing("a header name that is not a token"))?;
+        let at = h.value.as_ptr() as usize - start;
+        fields.push((name, at, at + h.value.len()));
+    }
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(fields.len());
+    for (name, from, to) in fields {
+        let value = HeaderValue::from_maybe_shared(head.slice(from..to))
+            .map_err(|_| H1Error::Framing("a header value with a control character"))?;
+        headers.append(name, value);
+    }
+    let keep = match version {
+        Version::HTTP_10 => connection_says(&headers, "keep-alive"),
+        _ => !connection_says(&headers, "close"),
+    };
+    let mut resp = Response::new(());
+    *resp.status_mut() = status;
+    *resp.version_mut() = version;
+    *resp.headers_mut() = headers;
+    Ok(Some((resp, keep)))
+}
+
+/// True when a `Connection` header lists `token`.
+fn connection_says(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// How the body of an answer ends (RFC 9112 §6.3), and whether its
+/// connection may still be kept.
+fn framing(
+    head_only: bool,
+    status: StatusCode,
+    headers: &HeaderMap,
+    keep: bool,
+) -> Result<(Framing, bool), H1Error> {
+    if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        return Ok((Framing::Length(0), keep));
+    }
+    let length = content_length(headers)?;
+    if let Some(last) = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+    {
+        let chunked = last
+            .to_str()
+            .ok()
+            .and_then(|v| v.rsplit(',').next())
+            .is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked"));
+        // Both framings at once is how requests get smuggled: the length is
+        // ignored and the connection not trusted again.
+        return Ok(if chunked {
+            (Framing::Chunked(Chunk::Size), keep && length.is_none())
+        } else {
+            (Framing::Close, false)
+        });
+    }
+    Ok(match length {
+        Some(n) => (Framing::Length(n), keep),
+        None => (Framing::Close, false),
+    })
+}
+
+/// The `Content-Length`, if any: every copy and every item of a list must be
+/// the same number, in digits alone.
+fn content_length(headers: &HeaderMap) -> Result<Option<u64>, H1Error> {
+    let mut length = None;
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        for item in value.as_bytes().split(|&b| b == b',') {
+            let item = item.trim_ascii();
+            if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
+                return Err(H1Error::Framing("a Content-Length that is not a number"));
+            }
+            let n = item.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+            if length.is_some_and(|l| l != n) {
+                return Err(H1Error::Framing("Content-Lengths that disagree"));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(length)
+}
+
+/// Where the body's end is.
+#[derive(Debug, Clone, Copy)]
+enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    Chunked(Chunk),
+    /// The body ends with the connection.
+    Close,
+    Done,
+}
+
+/// Where a chunked body's reading is.
+#[derive(Debug, Clone, Copy)]
+enum Chunk {
+    /// At a chunk-size line.
+    Size,
+    /// In a chunk's data, this many bytes left.
+    Data(u64),
+    /// At the line end after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer fields, then an empty line.
+    Trailers,
+}
+
+/// Reads an answer's body from its connection, frame by frame.
+pub struct Reader {
+    framing: Framing,
+    keep: bool,
+}
+
+impl Reader {
+    pub fn is_end(&self) -> bool {
+        matches!(self.framing, Framing::Done | Framing::Length(0))
+    }
+
+    pub fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(n) => SizeHint::with_exact(n),
+            Framing::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+
+    /// Whether `conn` may take another request now that the body is read:
+    /// its answer allowed it and nothing was sent past the body's end.
+    pub fn reusable(&self, conn: &Conn) -> bool {
+        self.keep && self.is_end() && conn.buf.is_empty()
+    }
+
+    /// The next piece of the body: data, then trailers if there are any.
+    pub fn poll_frame(
+        &mut self,
+        conn: &mut Conn,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, H1Error>>> {
+        loop {
+            match self.framing {
+                Framing::Done | Framing::Length(0) => {
+                    self.framing = Framing::Done;
+                    return Poll::Ready(None);
+                }
+                Framing::Length(left) => {
+                    if conn.buf.is_empty() && ready!(fill(conn, cx))? == 0 {
+                        return Poll::Ready(Some(Err(H1Error::CutShort)));
+                    }
+                    let data = take(&mut conn.buf, left);
+                    self.framing = Framing::Length(left - data.len() as u64);
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Framing::Close => {
+                    if conn.buf.is_empty() && ready!(fill(conn, cx))? == 0 {
+                        self.framing = Framing::Done;
+                        return Poll::Ready(None);
+                    }
+                    let data = conn.buf.split().freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Framing::Chunked(Chunk::Data(left)) => {
+                    if conn.buf.is_empty() && ready!(fill(conn, cx))? == 0 {
+                        return Poll::Ready(Some(Err(H1Error::CutShort)));
+                    }
+                    let data = take(&mut conn.buf, left);
+                    let left = left - data.len() as u64;
+                    self.framing = Framing::Chunked(if left == 0 {
+                        Chunk::DataEnd
+                    } else {
+                        Chunk::Data(left)
+                    });
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Framing::Chunked(chunk) => match step(chunk, &mut conn.buf)? {
+                    Step::Next(next) => self.framing = next,
+                    Step::Trailers(trailers) => {
+                        self.framing = Framing::Done;
+                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                    }
+                    Step::More => {
+                        if conn.buf.len() >= MAX_HEAD {
+                            return Poll::Ready(Some(Err(H1Error::Framing(
+                                "a chunk line or trailer section too long",
+                            ))));
+                        }
+                        if ready!(fill(conn, cx))? == 0 {
+                            return Poll::Ready(Some(Err(H1Error::CutShort)));
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// Up to `left` bytes from the front of `buf`.
+fn take(buf: &mut BytesMut, left: u64) -> Bytes {
+    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+    buf.split_to(n).freeze()
+}
+
+/// What a chunked body's framing lines gave.
+enum Step {
+    Next(Framing),
+    Trailers(HeaderMap),
+    /// Not all there yet.
+    More,
+}
+
+/// Reads one framing line (or the trailer section) from the front of `buf`.
+fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
+    match chunk {
+        Chunk::Size => match httparse::parse_chunk_size(buf) {
+            Ok(httparse::Status::Complete((len, size))) => {
+                buf.advance(len);
+                Ok(Step::Next(Framing::Chunked(if size == 0 {
+                    Chunk::Trailers
+                } else {
+                    Chunk::Data(size)
+                })))
+            }
+            Ok(httparse::Status::Partial) => Ok(Step::More),
+            Err(_) => Err(H1Error::Framing("a chunk size that is not hex")),
+        },
+        Chunk::DataEnd => {
+            if buf.len() < 2 {
+                return Ok(Step::More);
+            }
+            if &buf[..2] != b"\r\n" {
+                return Err(H1Error::Framing("a chunk longer than its size"));
+            }
+            buf.advance(2);
+            Ok(Step::Next(Framing::Chunked(Chunk::Size)))
+        }
+        Chunk::Trailers => {
+            if buf.starts_with(b"\r\n") {
+                buf.advance(2);
+                return Ok(Step::Next(Framing::Done));
+            }
+            let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let (len, fields) = match httparse::parse_headers(buf, &mut slots) {
+                Ok(httparse::Status::Complete(done)) => done,
+                Ok(httparse::Status::Partial) => return Ok(Step::More),
+                Err(e) => return Err(H1Error::Head(e)),
+            };
+            // Rare enough for plain copies.
+            let mut trailers = HeaderMap::with_capacity(fields.len());
+            for f in fields {
+                if let (Ok(name), Ok(value)) = (
+                    HeaderName::from_bytes(f.name.as_bytes()),
+                    HeaderValue::from_bytes(f.value),
+                ) {
+                    trailers.append(name, value);
+                }
+            }
+            buf.advance(len);
+            Ok(Step::Trailers(trailers))
+        }
+        Chunk::Data(_) => Ok(Step::More),
+    }
+}
+
+/// Reads more of the connection into its buffer; `Ok(0)` at its end.
+fn fill(conn: &mut Conn, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    conn.buf.reserve(READ_SIZE);
+    tokio_util::io::poll_read_buf(Pin::new(&mut conn.stream), cx, &mut conn.buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_lengths_must_agree_and_be_digits() {
+        let with = |values: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::CONTENT_LENGTH, HeaderValue::from_static(v));
+            }
+            content_length(&h).ok().flatten()
+        };
+        assert_eq!(with(&["5"]), Some(5));
+        assert_eq!(with(&["5", "5"]), Some(5));
+        assert_eq!(with(&["5, 5"]), Some(5));
+        assert_eq!(with(&[]), None);
+        for bad in [
+            &["5x"][..],
+            &["+5"],
+            &["5", "6"],
+            &["5, 6"],
+            &[""],
+            &["99999999999999999999"],
+        ] {
+            let mut h = HeaderMap::new();
+            for v in bad {
+                h.append(header::CONTENT_LENGTH, HeaderValue::from_static(v));
+            }
+            assert!(content_length(&h).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_chunked_body_with_a_length_too_is_not_kept() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("gzip, chunked"),
+        );
+        let (f, keep) = framing(false, StatusCode::OK, &h, true).unwrap();
+        assert!(matches!(f, Framing::Chunked(Chunk::Size)) && keep);
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        let (f, keep) = framing(false, StatusCode::OK, &h, true).unwrap();
+        assert!(matches!(f, Framing::Chunked(Chunk::Size)) && !keep);
+        // A coding that is not chunked last: the body ends with the connection.
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked, gzip"),
+        );
+        let (f, keep) = framing(false, StatusCode::OK, &h, true).unwrap();
+        assert!(matches!(f, Framing::Close) && !keep);
+    }
+}
