@@ -114,8 +114,7 @@ pub async fn send(
         .await
         .map_err(H1Error::NotSent)?;
     loop {
-        if let Some(answer) = parse_head(&mut conn.buf)? {
-            let (resp, keep) = answer;
+        if let Some((resp, said)) = parse_head(&mut conn.buf)? {
             let status = resp.status();
             if status.is_informational() {
                 if status == StatusCode::SWITCHING_PROTOCOLS {
@@ -125,7 +124,7 @@ pub async fn send(
                 }
                 continue;
             }
-            let (framing, keep) = framing(head_only, status, resp.headers(), keep)?;
+            let (framing, keep) = framing(head_only, status, &said)?;
             return Ok((resp, Reader { framing, keep }));
         }
         let had = !conn.buf.is_empty();
@@ -152,9 +151,9 @@ fn is_reset(e: &io::Error) -> bool {
     )
 }
 
-/// One answer head from the front of `buf`, taken out of it, with whether
-/// its connection may be kept; `None` if the head is not all there yet.
-fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, bool)>, H1Error> {
+/// One answer head from the front of `buf`, taken out of it, with what it
+/// says about its framing; `None` if the head is not all there yet.
+fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Said)>, H1Error> {
     if buf.is_empty() {
         return Ok(None);
     }
@@ -188,86 +187,99 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, bool)>, H1Erro
     }
     let head = buf.split_to(len).freeze();
     let mut headers = HeaderMap::with_capacity(fields.len());
+    // What framing and keep-alive depend on, noted on the way: looking the
+    // names up in the map afterwards would hash each of them again.
+    let mut said = Said::default();
     for (name, from, to) in fields {
         let value = HeaderValue::from_maybe_shared(head.slice(from..to))
             .map_err(|_| H1Error::Framing("a header value with a control character"))?;
+        said.note(&name, value.as_bytes());
         headers.append(name, value);
     }
-    let keep = match version {
-        Version::HTTP_10 => connection_says(&headers, "keep-alive"),
-        _ => !connection_says(&headers, "close"),
+    said.keep = match version {
+        Version::HTTP_10 => said.keep_alive,
+        _ => !said.close,
     };
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     *resp.version_mut() = version;
     *resp.headers_mut() = headers;
-    Ok(Some((resp, keep)))
+    Ok(Some((resp, said)))
 }
 
-/// True when a `Connection` header lists `token`.
-fn connection_says(headers: &HeaderMap, token: &str) -> bool {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
+/// What an answer's head says about its body's framing and its connection.
+#[derive(Debug)]
+struct Said {
+    /// `Connection: close`, `Connection: keep-alive`.
+    close: bool,
+    keep_alive: bool,
+    /// Whether the connection may be kept, by version and `Connection`.
+    keep: bool,
+    /// The `Content-Length`: every copy and every item of a list must be
+    /// the same number, in digits alone.
+    length: Result<Option<u64>, &'static str>,
+    /// With a `Transfer-Encoding`: whether its last coding is chunked.
+    chunked: Option<bool>,
+}
+
+impl Default for Said {
+    fn default() -> Said {
+        Said {
+            close: false,
+            keep_alive: false,
+            keep: true,
+            length: Ok(None),
+            chunked: None,
+        }
+    }
+}
+
+impl Said {
+    fn note(&mut self, name: &HeaderName, value: &[u8]) {
+        let tokens = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+        if name == header::CONNECTION {
+            for t in tokens() {
+                self.close |= t.eq_ignore_ascii_case(b"close");
+                self.keep_alive |= t.eq_ignore_ascii_case(b"keep-alive");
+            }
+        } else if name == header::TRANSFER_ENCODING {
+            let last = tokens().next_back().unwrap_or_default();
+            self.chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
+        } else if name == header::CONTENT_LENGTH {
+            for item in tokens() {
+                if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
+                    self.length = Err("a Content-Length that is not a number");
+                    return;
+                }
+                let n = item.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+                match self.length {
+                    Ok(Some(l)) if l != n => {
+                        self.length = Err("Content-Lengths that disagree");
+                        return;
+                    }
+                    Ok(_) => self.length = Ok(Some(n)),
+                    Err(_) => return,
+                }
+            }
+        }
+    }
 }
 
 /// How the body of an answer ends (RFC 9112 §6.3), and whether its
 /// connection may still be kept.
-fn framing(
-    head_only: bool,
-    status: StatusCode,
-    headers: &HeaderMap,
-    keep: bool,
-) -> Result<(Framing, bool), H1Error> {
+fn framing(head_only: bool, status: StatusCode, said: &Said) -> Result<(Framing, bool), H1Error> {
     if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
-        return Ok((Framing::Length(0), keep));
+        return Ok((Framing::Length(0), said.keep));
     }
-    let length = content_length(headers)?;
-    if let Some(last) = headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .next_back()
-    {
-        let chunked = last
-            .to_str()
-            .ok()
-            .and_then(|v| v.rsplit(',').next())
-            .is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked"));
+    let length = said.length.map_err(H1Error::Framing)?;
+    Ok(match (said.chunked, length) {
         // Both framings at once is how requests get smuggled: the length is
         // ignored and the connection not trusted again.
-        return Ok(if chunked {
-            (Framing::Chunked(Chunk::Size), keep && length.is_none())
-        } else {
-            (Framing::Close, false)
-        });
-    }
-    Ok(match length {
-        Some(n) => (Framing::Length(n), keep),
-        None => (Framing::Close, false),
+        (Some(true), length) => (Framing::Chunked(Chunk::Size), said.keep && length.is_none()),
+        // A coding that is not chunked last: the body ends with the connection.
+        (Some(false), _) | (None, None) => (Framing::Close, false),
+        (None, Some(n)) => (Framing::Length(n), said.keep),
     })
-}
-
-/// The `Content-Length`, if any: every copy and every item of a list must be
-/// the same number, in digits alone.
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, H1Error> {
-    let mut length = None;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        for item in value.as_bytes().split(|&b| b == b',') {
-            let item = item.trim_ascii();
-            if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
-                return Err(H1Error::Framing("a Content-Length that is not a number"));
-            }
-            let n = item.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
-            if length.is_some_and(|l| l != n) {
-                return Err(H1Error::Framing("Content-Lengths that disagree"));
-            }
-            length = Some(n);
-        }
-    }
-    Ok(length)
 }
 
 /// Where the body's end is.
@@ -459,19 +471,25 @@ fn fill(conn: &mut Conn, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
 mod tests {
     use super::*;
 
+    fn said(fields: &[(HeaderName, &str)]) -> Said {
+        let mut said = Said::default();
+        for (name, value) in fields {
+            said.note(name, value.as_bytes());
+        }
+        said
+    }
+
     #[test]
     fn content_lengths_must_agree_and_be_digits() {
-        let with = |values: &[&'static str]| {
-            let mut h = HeaderMap::new();
-            for v in values {
-                h.append(header::CONTENT_LENGTH, HeaderValue::from_static(v));
-            }
-            content_length(&h).ok().flatten()
+        let cl = header::CONTENT_LENGTH;
+        let length = |values: &[&str]| {
+            let fields: Vec<_> = values.iter().map(|v| (cl.clone(), *v)).collect();
+            said(&fields).length
         };
-        assert_eq!(with(&["5"]), Some(5));
-        assert_eq!(with(&["5", "5"]), Some(5));
-        assert_eq!(with(&["5, 5"]), Some(5));
-        assert_eq!(with(&[]), None);
+        assert_eq!(length(&["5"]), Ok(Some(5)));
+        assert_eq!(length(&["5", "5"]), Ok(Some(5)));
+        assert_eq!(length(&["5, 5"]), Ok(Some(5)));
+        assert_eq!(length(&[]), Ok(None));
         for bad in [
             &["5x"][..],
             &["+5"],
@@ -479,33 +497,31 @@ mod tests {
             &["5, 6"],
             &[""],
             &["99999999999999999999"],
+            &["5x", "5"],
         ] {
-            let mut h = HeaderMap::new();
-            for v in bad {
-                h.append(header::CONTENT_LENGTH, HeaderValue::from_static(v));
-            }
-            assert!(content_length(&h).is_err(), "{bad:?}");
+            assert!(length(bad).is_err(), "{bad:?}");
         }
     }
 
     #[test]
     fn a_chunked_body_with_a_length_too_is_not_kept() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("gzip, chunked"),
-        );
-        let (f, keep) = framing(false, StatusCode::OK, &h, true).unwrap();
+        let te = header::TRANSFER_ENCODING;
+        let (f, keep) = framing(
+            false,
+            StatusCode::OK,
+            &said(&[(te.clone(), "gzip, chunked")]),
+        )
+        .unwrap();
         assert!(matches!(f, Framing::Chunked(Chunk::Size)) && keep);
-        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
-        let (f, keep) = framing(false, StatusCode::OK, &h, true).unwrap();
+        let both = said(&[(te.clone(), "chunked"), (header::CONTENT_LENGTH, "3")]);
+        let (f, keep) = framing(false, StatusCode::OK, &both).unwrap();
         assert!(matches!(f, Framing::Chunked(Chunk::Size)) && !keep);
         // A coding that is not chunked last: the body ends with the connection.
-        h.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked, gzip"),
-        );
-        let (f, keep) = framing(false, StatusCode::OK, &h, true).unwrap();
+        let (f, keep) = framing(false, StatusCode::OK, &said(&[(te, "chunked, gzip")])).unwrap();
         assert!(matches!(f, Framing::Close) && !keep);
+        // A bodiless answer's framing headers are not looked at.
+        let bad = said(&[(header::CONTENT_LENGTH, "x")]);
+        assert!(framing(false, StatusCode::NOT_MODIFIED, &bad).is_ok());
+        assert!(framing(false, StatusCode::OK, &bad).is_err());
     }
 }

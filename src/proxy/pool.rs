@@ -256,8 +256,10 @@ impl UpstreamClient {
             };
             let (mut conn, idle_for, reused) = match pooled {
                 Some((conn, idle_for)) => (conn, idle_for, true),
+                // Boxed, as in `request`: its state would size every
+                // request's future.
                 None => (
-                    h1::Conn::new(self.connect_tcp(server, false).await?),
+                    h1::Conn::new(Box::pin(self.connect_tcp(server, false)).await?),
                     Duration::ZERO,
                     false,
                 ),
