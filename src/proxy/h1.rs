@@ -186,7 +186,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Said)>, H1Erro
         fields.push((name, at, at + h.value.len()));
     }
     let head = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(fields.len());
+    // Room for the rate-limit headers the proxy adds (three at most, see
+    // `ratelimit_headers`): a map that grows is rehashed and moved.
+    let mut headers = HeaderMap::with_capacity(fields.len() + 3);
     // What framing and keep-alive depend on, noted on the way: looking the
     // names up in the map afterwards would hash each of them again.
     let mut said = Said::default();
