@@ -242,10 +242,7 @@ impl UpstreamClient {
     ) -> Result<Response<PooledBody>, UpstreamError> {
         let head = h1::request_head(req);
         let head_only = req.method() == Method::HEAD;
-        let safe = matches!(
-            *req.method(),
-            Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
-        );
+        let safe = safe_to_repeat(req.method());
         // Set once a request was resent: it goes on a new connection.
         let mut fresh = false;
         loop {
@@ -513,11 +510,7 @@ impl Body for UpBody {
 /// request that asks for nothing to change (`GET`, `HEAD`, `OPTIONS`,
 /// `TRACE`) and has no body.
 fn replayable(req: &Request<UpBody>) -> Option<Request<UpBody>> {
-    let safe = matches!(
-        *req.method(),
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
-    );
-    if !safe || !req.body().is_end_stream() {
+    if !safe_to_repeat(req.method()) || !req.body().is_end_stream() {
         return None;
     }
     let mut copy = Request::new(UpBody::Empty);
@@ -526,6 +519,15 @@ fn replayable(req: &Request<UpBody>) -> Option<Request<UpBody>> {
     *copy.version_mut() = req.version();
     *copy.headers_mut() = req.headers().clone();
     Some(copy)
+}
+
+/// A method that asks for nothing to change, so a lost request may be sent
+/// again.
+fn safe_to_repeat(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
 }
 
 /// The upstream closed the connection after the request was written, before
