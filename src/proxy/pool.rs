@@ -287,14 +287,11 @@ impl UpstreamClient {
             server: server.to_string(),
             reason,
         };
-        let host = server.authority.host();
         let port = server
             .authority
             .port_u16()
             .unwrap_or(if tls { 443 } else { 80 });
-        // An IPv6 literal comes bracketed in the authority.
-        let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let tcp = TcpStream::connect((bare, port))
+        let tcp = TcpStream::connect((bare_host(server), port))
             .await
             .map_err(|e| failed(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
@@ -323,12 +320,7 @@ impl UpstreamClient {
             tokio::spawn(conn.with_upgrades());
             return Ok(sender);
         }
-        let bare = server
-            .authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        let name = rustls::pki_types::ServerName::try_from(bare.to_string())
+        let name = rustls::pki_types::ServerName::try_from(bare_host(server).to_string())
             .map_err(|e| failed(format!("not a TLS server name: {e}")))?;
         let stream = self
             .tls
@@ -419,18 +411,7 @@ impl Body for PooledBody {
         let (frame, end) = match &mut this.0 {
             Read::Hyper { inner, back } => {
                 let frame = ready!(Pin::new(&mut *inner).poll_frame(cx));
-                // The server stops polling once the body says it is complete,
-                // or once it has had the trailers (always the last frame:
-                // hyper has read the whole answer by then).
-                let end = match &frame {
-                    None => true,
-                    Some(Ok(f)) => f.is_trailers() || inner.is_end_stream(),
-                    // A broken body leaves a broken connection: not pooled.
-                    Some(Err(_)) => {
-                        *back = None;
-                        false
-                    }
-                };
+                let end = ends(&frame, inner.is_end_stream(), back);
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
             Read::Own { reader, back } => {
@@ -438,14 +419,7 @@ impl Body for PooledBody {
                     return Poll::Ready(None);
                 };
                 let frame = ready!(reader.poll_frame(conn, cx));
-                let end = match &frame {
-                    None => true,
-                    Some(Ok(f)) => f.is_trailers() || reader.is_end(),
-                    Some(Err(_)) => {
-                        *back = None;
-                        false
-                    }
-                };
+                let end = ends(&frame, reader.is_end(), back);
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
         };
@@ -468,6 +442,31 @@ impl Body for PooledBody {
             Read::Own { reader, .. } => reader.size_hint(),
         }
     }
+}
+
+/// Whether `frame` ends the body (`at_end`: the body says it is complete).
+/// The server stops polling once the body says so, or once it has had the
+/// trailers (always the last frame: the whole answer has been read by then).
+/// A broken body leaves a broken connection: it is not pooled.
+fn ends<E, C>(frame: &Option<Result<Frame<Bytes>, E>>, at_end: bool, back: &mut Option<C>) -> bool {
+    match frame {
+        None => true,
+        Some(Ok(f)) => f.is_trailers() || at_end,
+        Some(Err(_)) => {
+            *back = None;
+            false
+        }
+    }
+}
+
+/// An upstream's host as a name or address to connect to (an IPv6 literal
+/// comes bracketed in the authority).
+fn bare_host(server: &UpstreamServer) -> &str {
+    server
+        .authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
 }
 
 /// A request body on its way upstream: the client's, or none (a request sent
