@@ -4,6 +4,8 @@
 //!
 //! - [`server`]: accepts connections, HTTP/1.1 and HTTP/2, graceful shutdown;
 //!   [`server::run`] is the whole program minus the command line.
+//! - [`front`]: sluice's own HTTP/1.1 server for the usual request on plain
+//!   TCP; it hands anything else to hyper's.
 //! - [`idle`]: closes client connections that have no request going.
 //! - [`coalesce`]: small vectored writes sent as one buffer (plain TCP).
 //! - [`graceful`]: shutdown that lets requests in flight finish.
@@ -24,6 +26,7 @@ pub mod clock;
 pub mod coalesce;
 pub mod config;
 pub mod deny_cache;
+pub mod front;
 pub mod graceful;
 pub mod identity;
 pub mod idle;

@@ -17,10 +17,11 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::clock::Clock;
 use crate::coalesce::Coalesce;
 use crate::config::{Backend, Config};
+use crate::front;
 use crate::graceful::{self, Shutdown};
 use crate::idle::{self, Idle, Tracked};
 use crate::limiter::{KeyCache, Limiter};
-use crate::proxy::Proxy;
+use crate::proxy::{Proxy, RequestBody};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
@@ -143,14 +144,14 @@ impl Server {
                     let idle = Idle::new();
                     let keys = Arc::new(KeyCache::default());
                     let service = {
-                        let (proxy, idle) = (proxy.clone(), idle.clone());
+                        let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                         service_fn(move |req| {
                             // The request begins inside the future: begun out
                             // here, it made hyper copy the (4 KB) future once more.
                             let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                             async move {
                                 let request = idle.begin();
-                                let resp = proxy.handle(req, peer, &keys).await;
+                                let resp = proxy.handle(req.map(RequestBody::Stream), peer, &keys).await;
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })
@@ -160,6 +161,7 @@ impl Server {
                         None => {
                             // Looking at the first bytes waits in the connection's
                             // task, under the idle watchdog.
+                            let (proxy, conn_idle) = (proxy.clone(), idle.clone());
                             idle::spawn(async move {
                                 let mut signal = signal;
                                 let http1 = tokio::select! {
@@ -167,7 +169,18 @@ impl Server {
                                     // Shut down before a first byte: nothing to finish.
                                     _ = signal.changed() => return Ok(()),
                                 };
-                                protocols.serve(TokioIo::new(Coalesce(stream)), http1, service, signal).await
+                                if !http1 {
+                                    return protocols.serve(TokioIo::new(Coalesce(stream)), false, service, signal).await;
+                                }
+                                // HTTP/1: the usual requests served by sluice's own
+                                // server, the rest of the connection by hyper's.
+                                let client = front::Client { proxy: &proxy, peer, keys: &keys, idle: &conn_idle };
+                                match front::serve(stream, client, &mut signal).await? {
+                                    front::Served::Closed => Ok(()),
+                                    front::Served::Handoff(rest) => {
+                                        protocols.serve(TokioIo::new(Coalesce(rest)), true, service, signal).await
+                                    }
+                                }
                             }, idle, limit, peer);
                         }
                         Some(boot) => {

@@ -14,9 +14,9 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
-use hyper::body::Incoming;
 
 use crate::config::{Upstream, UpstreamServer};
+use crate::proxy::RequestBody;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -124,14 +124,14 @@ pub fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 
 /// Turns the client's request into the upstream's, in place of its parts.
 pub fn rewrite_request(
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
     upstream: &Upstream,
     server: &UpstreamServer,
     peer: IpAddr,
     host: Option<&HeaderValue>,
     https: bool,
     upgrade: Option<&HeaderValue>,
-) -> Result<Request<Incoming>, &'static str> {
+) -> Result<Request<RequestBody>, &'static str> {
     let (mut parts, body) = req.into_parts();
     // Origin form (`/path?query`): the upstream learns its authority from Host.
     // HTTP/1 requests usually come in it, and are kept as parsed.

@@ -29,13 +29,14 @@ use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Request, Response, Version};
 use http_body_util::{Either, Full};
-use hyper::body::Incoming;
 use std::collections::HashMap;
 
 use http::StatusCode;
 use hyper_util::rt::TokioIo;
 
 use pool::{PooledBody, UpstreamClient, UpstreamError};
+
+pub use pool::RequestBody;
 
 pub use error::ProxyError;
 
@@ -245,7 +246,7 @@ impl Proxy {
     /// `keys` is the connection's cache of counter keys.
     pub async fn handle(
         &self,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: SocketAddr,
         keys: &KeyCache,
     ) -> Response<Body> {
@@ -294,7 +295,7 @@ impl Proxy {
     async fn phases(
         &self,
         state: &State,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: SocketAddr,
         keys: &KeyCache,
         ctx: &mut RequestCtx,
@@ -422,7 +423,7 @@ impl Proxy {
     async fn forward(
         &self,
         route: &Route,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: SocketAddr,
         host: Option<HeaderValue>,
         state: &State,
@@ -539,7 +540,7 @@ fn millis(d: Duration) -> f64 {
 
 /// The request's host: the `Host` header, or for HTTP/2 the `:authority`.
 /// HTTP/1.1 requires one (RFC 9112 §3.2).
-fn request_host(req: &Request<Incoming>) -> Result<Option<HeaderValue>, ProxyError> {
+fn request_host(req: &Request<RequestBody>) -> Result<Option<HeaderValue>, ProxyError> {
     let mut hosts = req.headers().get_all(header::HOST).iter();
     match (hosts.next(), hosts.next()) {
         (Some(_), Some(_)) => Err(ProxyError::BadRequest("more than one Host header")),

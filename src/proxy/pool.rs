@@ -65,7 +65,7 @@ trait Reusable {
     fn is_open(&self) -> bool;
 }
 
-impl Reusable for SendRequest<UpBody> {
+impl Reusable for SendRequest<RequestBody> {
     fn is_open(&self) -> bool {
         !self.is_closed()
     }
@@ -136,7 +136,7 @@ impl<C: Reusable> Stacks<C> {
 /// The idle connections of both ways of making an exchange.
 #[derive(Default)]
 struct Pools {
-    hyper: Stacks<SendRequest<UpBody>>,
+    hyper: Stacks<SendRequest<RequestBody>>,
     own: Stacks<h1::Conn>,
 }
 
@@ -178,7 +178,7 @@ impl UpstreamClient {
     pub async fn request(
         &self,
         server: &UpstreamServer,
-        req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         upgrade: bool,
     ) -> Result<Response<PooledBody>, UpstreamError> {
         let origin: Origin = (
@@ -188,7 +188,6 @@ impl UpstreamClient {
         if !origin.0 && !upgrade && req.body().is_end_stream() && req.method() != Method::CONNECT {
             return self.request_own(server, origin, &req).await;
         }
-        let mut req = req.map(UpBody::Stream);
         // Set once a request was resent: it goes on a new connection.
         let mut fresh = false;
         loop {
@@ -238,7 +237,7 @@ impl UpstreamClient {
         &self,
         server: &UpstreamServer,
         origin: Origin,
-        req: &Request<Incoming>,
+        req: &Request<RequestBody>,
     ) -> Result<Response<PooledBody>, UpstreamError> {
         let head = h1::request_head(req);
         let head_only = req.method() == Method::HEAD;
@@ -305,7 +304,7 @@ impl UpstreamClient {
         &self,
         server: &UpstreamServer,
         tls: bool,
-    ) -> Result<SendRequest<UpBody>, UpstreamError> {
+    ) -> Result<SendRequest<RequestBody>, UpstreamError> {
         let failed = |reason: String| UpstreamError::Connect {
             server: server.to_string(),
             reason,
@@ -345,7 +344,7 @@ type Back<C> = (C, Arc<Pools>, Origin);
 enum Read {
     Hyper {
         inner: Incoming,
-        back: Option<Back<SendRequest<UpBody>>>,
+        back: Option<Back<SendRequest<RequestBody>>>,
     },
     Own {
         reader: h1::Reader,
@@ -355,7 +354,7 @@ enum Read {
 }
 
 impl PooledBody {
-    fn hyper(inner: Incoming, back: Option<Back<SendRequest<UpBody>>>) -> PooledBody {
+    fn hyper(inner: Incoming, back: Option<Back<SendRequest<RequestBody>>>) -> PooledBody {
         let end = inner.is_end_stream();
         let mut body = PooledBody(Read::Hyper { inner, back });
         // An empty body (a 204, a HEAD) may never be polled.
@@ -469,14 +468,15 @@ fn bare_host(server: &UpstreamServer) -> &str {
         .trim_end_matches(']')
 }
 
-/// A request body on its way upstream: the client's, or none (a request sent
-/// once more, see [`replayable`]).
-pub enum UpBody {
+/// A request's body: the client's as hyper's server reads it, or none (a
+/// request sluice's own server ([`crate::front`]) took, which never has one,
+/// or one sent once more, see [`replayable`]).
+pub enum RequestBody {
     Stream(Incoming),
     Empty,
 }
 
-impl Body for UpBody {
+impl Body for RequestBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
@@ -485,22 +485,22 @@ impl Body for UpBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
-            UpBody::Stream(body) => Pin::new(body).poll_frame(cx),
-            UpBody::Empty => Poll::Ready(None),
+            RequestBody::Stream(body) => Pin::new(body).poll_frame(cx),
+            RequestBody::Empty => Poll::Ready(None),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            UpBody::Stream(body) => body.is_end_stream(),
-            UpBody::Empty => true,
+            RequestBody::Stream(body) => body.is_end_stream(),
+            RequestBody::Empty => true,
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            UpBody::Stream(body) => body.size_hint(),
-            UpBody::Empty => SizeHint::with_exact(0),
+            RequestBody::Stream(body) => body.size_hint(),
+            RequestBody::Empty => SizeHint::with_exact(0),
         }
     }
 }
@@ -508,11 +508,11 @@ impl Body for UpBody {
 /// A copy of `req` to send again if it is lost with its connection: only a
 /// request that asks for nothing to change (`GET`, `HEAD`, `OPTIONS`,
 /// `TRACE`) and has no body.
-fn replayable(req: &Request<UpBody>) -> Option<Request<UpBody>> {
+fn replayable(req: &Request<RequestBody>) -> Option<Request<RequestBody>> {
     if !safe_to_repeat(req.method()) || !req.body().is_end_stream() {
         return None;
     }
-    let mut copy = Request::new(UpBody::Empty);
+    let mut copy = Request::new(RequestBody::Empty);
     *copy.method_mut() = req.method().clone();
     *copy.uri_mut() = req.uri().clone();
     *copy.version_mut() = req.version();

@@ -1,0 +1,497 @@
+//! sluice's own HTTP/1.1 server, for client connections on plain TCP.
+//!
+//! It serves the usual request itself: HTTP/1.1, no body, no upgrade, no
+//! `Expect`, no `TE`. At the first request it does not serve (a body, an
+//! upgrade, `CONNECT`, HTTP/1.0, a head it cannot parse or one larger than
+//! [`MAX_HEAD`]), it hands the connection to hyper's server with every byte
+//! it has read and not used ([`Rewind`]), and hyper serves the rest of the
+//! connection. So everything unusual meets hyper's handling, as before, and
+//! the common `GET` skips hyper's dispatcher, whose request and response
+//! futures it moved about a dozen times a request (measured: about a quarter
+//! of the instructions per proxied `GET`, see README Performance).
+//!
+//! What a client sees is what hyper's server does:
+//!
+//! - the status line is `HTTP/1.1` with the status's usual reason phrase;
+//! - a `Date` header is added when the response has none;
+//! - the body is framed by its `Content-Length`, else by its known size,
+//!   else chunked (trailers are dropped: a client that wants them says
+//!   `TE: trailers`, and such a request goes to hyper);
+//! - `Connection: close` from the client gets `connection: close` back, and
+//!   the connection ends after the response; so does one at shutdown;
+//! - a client that closes its connection while its request is in flight
+//!   cancels the request (the upstream exchange is dropped, as with hyper);
+//! - a body that fails or is longer than its `Content-Length` ends the
+//!   connection, so the client sees it cut short and never a wrong message.
+
+use std::cell::RefCell;
+use std::future::poll_fn;
+use std::io;
+use std::mem::MaybeUninit;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::{Buf, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper::body::Body as _;
+use smallvec::SmallVec;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::idle::Idle;
+use crate::limiter::KeyCache;
+use crate::proxy::{Body, Proxy, RequestBody};
+
+/// The most a request head may take here; a longer one goes to hyper, whose
+/// limit is `server.max_header_bytes`.
+pub const MAX_HEAD: usize = 8 * 1024;
+/// Header lines a head may have here; more go to hyper (its limit is 100).
+const MAX_HEADERS: usize = 64;
+/// Body data up to this size is copied behind the head, to go out in one
+/// write; larger pieces are written as they are.
+const COPY_LIMIT: usize = 16 * 1024;
+
+/// What a connection's requests need from the server.
+pub struct Client<'a> {
+    pub proxy: &'a Proxy,
+    pub peer: SocketAddr,
+    pub keys: &'a KeyCache,
+    pub idle: &'a Arc<Idle>,
+}
+
+/// How serving a connection here ended.
+pub enum Served {
+    /// It is closed: by the client, after `Connection: close`, at shutdown,
+    /// or after a response that could not be sent whole.
+    Closed,
+    /// A request for hyper: the connection, with the bytes read and not used.
+    Handoff(Rewind),
+}
+
+/// Serves `stream` until it closes or has a request for hyper. `signal`
+/// says the server is shutting down: a connection waiting for a request
+/// closes at once, one with a request in flight after its response.
+pub async fn serve(
+    mut stream: TcpStream,
+    client: Client<'_>,
+    signal: &mut watch::Receiver<()>,
+) -> io::Result<Served> {
+    let mut buf = BytesMut::with_capacity(4096);
+    let mut out = Vec::new();
+    loop {
+        // The next request's head, read as far as needed.
+        let (req, close) = loop {
+            match parse(&mut buf) {
+                Parsed::Request(req, close) => break (req, close),
+                Parsed::Partial if buf.len() < MAX_HEAD => {}
+                Parsed::Partial | Parsed::Other => {
+                    return Ok(Served::Handoff(Rewind::new(stream, buf)));
+                }
+            }
+            // Room to read into; reclaims the space of heads already served.
+            buf.reserve(1024);
+            let n = tokio::select! {
+                biased;
+                n = stream.read_buf(&mut buf) => n?,
+                // A dropped sender (the server gone) means the same.
+                _ = signal.changed() => return Ok(Served::Closed),
+            };
+            if n == 0 {
+                return Ok(Served::Closed);
+            }
+        };
+        let head_only = req.method() == Method::HEAD;
+        let in_flight = client.idle.clone().begin();
+        let resp = tokio::select! {
+            biased;
+            resp = client.proxy.handle(req, client.peer, client.keys) => resp,
+            () = client_gone(&mut stream, &mut buf) => return Ok(Served::Closed),
+        };
+        let keep = !close && !signal.has_changed().unwrap_or(true);
+        let again = write_response(&mut stream, &mut out, resp, head_only, keep).await?;
+        drop(in_flight);
+        if !again {
+            return Ok(Served::Closed);
+        }
+        // A large body's copy is not kept for the connection's life.
+        if out.capacity() > 4 * COPY_LIMIT {
+            out = Vec::new();
+        }
+    }
+}
+
+/// What the front of the read buffer holds.
+// Unboxed: it is taken apart at once, and a box would cost an allocation a request.
+#[allow(clippy::large_enum_variant)]
+enum Parsed {
+    /// A request served here; `true`: its client said `Connection: close`.
+    Request(Request<RequestBody>, bool),
+    /// Not a whole head yet.
+    Partial,
+    /// A head for hyper: unusual, or not valid (hyper answers it).
+    Other,
+}
+
+/// Takes a request head from the front of `buf` when it is one served here;
+/// otherwise leaves `buf` as it was.
+fn parse(buf: &mut BytesMut) -> Parsed {
+    if buf.is_empty() {
+        return Parsed::Partial;
+    }
+    let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let len = match parsed.parse_with_uninit_headers(buf, &mut slots) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Other,
+    };
+    if parsed.version != Some(1) {
+        return Parsed::Other;
+    }
+    let method = match parsed.method.map(|m| Method::from_bytes(m.as_bytes())) {
+        Some(Ok(m)) if m != Method::CONNECT => m,
+        _ => return Parsed::Other,
+    };
+    // The target and the values stay where they were read: slices of the
+    // head, not copies.
+    let start = buf.as_ptr() as usize;
+    let Some(target) = parsed.path else {
+        return Parsed::Other;
+    };
+    let target = (target.as_ptr() as usize - start, target.len());
+    let mut close = false;
+    let mut fields: SmallVec<[(HeaderName, usize, usize); 16]> = SmallVec::new();
+    for h in parsed.headers.iter() {
+        let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else {
+            return Parsed::Other;
+        };
+        if name == header::CONTENT_LENGTH {
+            // An empty body said in so many words is still none.
+            if h.value != b"0" {
+                return Parsed::Other;
+            }
+        } else if name == header::TRANSFER_ENCODING
+            || name == header::UPGRADE
+            || name == header::EXPECT
+            || name == header::TE
+        {
+            return Parsed::Other;
+        } else if name == header::CONNECTION {
+            close |= h
+                .value
+                .split(|&b| b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+        }
+        let at = h.value.as_ptr() as usize - start;
+        fields.push((name, at, at + h.value.len()));
+    }
+    let head = buf.split_to(len).freeze();
+    let built = (|| {
+        let uri = Uri::from_maybe_shared(head.slice(target.0..target.0 + target.1)).ok()?;
+        // Room for the X-Forwarded-* headers the proxy adds: a map that grows
+        // is rehashed and moved.
+        let mut headers = HeaderMap::with_capacity(fields.len() + 3);
+        for (name, from, to) in fields {
+            headers.append(
+                name,
+                HeaderValue::from_maybe_shared(head.slice(from..to)).ok()?,
+            );
+        }
+        let mut req = Request::new(RequestBody::Empty);
+        *req.method_mut() = method;
+        *req.uri_mut() = uri;
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = headers;
+        Some(req)
+    })();
+    match built {
+        Some(req) => Parsed::Request(req, close),
+        None => {
+            // hyper's to refuse: put the head back where it was.
+            let mut whole = BytesMut::with_capacity(head.len() + buf.len());
+            whole.extend_from_slice(&head);
+            whole.extend_from_slice(buf);
+            *buf = whole;
+            Parsed::Other
+        }
+    }
+}
+
+/// Resolves when the client closes its side (or its connection fails) while
+/// a request is in flight. Bytes it sends meanwhile (the next request,
+/// pipelined) are kept in `buf`, up to [`MAX_HEAD`].
+async fn client_gone(stream: &mut TcpStream, buf: &mut BytesMut) {
+    loop {
+        if buf.len() >= MAX_HEAD {
+            return std::future::pending().await;
+        }
+        buf.reserve(1024);
+        match stream.read_buf(buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// How a response body is framed on the wire.
+#[derive(Clone, Copy, PartialEq)]
+enum Framing {
+    /// No body at all (`HEAD`, 1xx, 204, 304).
+    None,
+    Length(u64),
+    Chunked,
+    /// Until the connection closes: a `Content-Length` that is not a number.
+    Close,
+}
+
+/// Writes `resp`; `Ok(true)` when it went out whole and framed and neither
+/// side asked to close (`keep` false: the client did, or shutdown), so the
+/// connection can take another request.
+async fn write_response(
+    stream: &mut TcpStream,
+    out: &mut Vec<u8>,
+    resp: Response<Body>,
+    head_only: bool,
+    keep: bool,
+) -> io::Result<bool> {
+    let (parts, mut body) = resp.into_parts();
+    let status = parts.status;
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let mut length = None;
+    let mut dated = false;
+    let mut said_close = false;
+    for (name, value) in parts.headers.iter() {
+        if name == header::CONTENT_LENGTH {
+            length = Some(
+                std::str::from_utf8(value.as_bytes())
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok()),
+            );
+        } else if name == header::DATE {
+            dated = true;
+        } else if name == header::CONNECTION {
+            // Sluice's own answers to a broken request end the connection.
+            said_close |= value.as_bytes().eq_ignore_ascii_case(b"close");
+        }
+        line(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    if !dated {
+        DATE.with_borrow_mut(|date| line(out, b"date", date.now()));
+    }
+    let bodiless = status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let framing = match (length, body.size_hint().exact()) {
+        (Some(Some(n)), _) => Framing::Length(n),
+        (Some(None), _) => Framing::Close,
+        (None, _) if bodiless => Framing::None,
+        (None, Some(n)) => {
+            let mut digits = itoa::Buffer::new();
+            line(out, b"content-length", digits.format(n).as_bytes());
+            Framing::Length(n)
+        }
+        (None, None) => {
+            line(out, b"transfer-encoding", b"chunked");
+            Framing::Chunked
+        }
+    };
+    let framing = if head_only || bodiless {
+        Framing::None
+    } else {
+        framing
+    };
+    let keep = keep && !said_close && framing != Framing::Close;
+    if !keep && !said_close {
+        line(out, b"connection", b"close");
+    }
+    out.extend_from_slice(b"\r\n");
+    if framing == Framing::None {
+        drop(body);
+        stream.write_all(out).await?;
+        return Ok(keep);
+    }
+
+    let mut sent = 0u64;
+    let ended = loop {
+        // A piece ready now goes out with what is waiting; otherwise what
+        // is waiting goes first.
+        let frame = match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+            Poll::Ready(frame) => frame,
+            Poll::Pending => {
+                flush(stream, out).await?;
+                poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+            }
+        };
+        let mut data = match frame {
+            None => break true,
+            // Cut short: the client must see it so.
+            Some(Err(_)) => break false,
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => data,
+                // Trailers (see the module's doc), or nothing.
+                _ => continue,
+            },
+        };
+        if let Framing::Length(n) = framing {
+            let room = n - sent;
+            if data.len() as u64 > room {
+                data.truncate(room as usize);
+                send(stream, out, &data).await?;
+                flush(stream, out).await?;
+                return Ok(false);
+            }
+        }
+        sent += data.len() as u64;
+        if framing == Framing::Chunked {
+            chunk_line(out, data.len());
+            send(stream, out, &data).await?;
+            out.extend_from_slice(b"\r\n");
+        } else {
+            send(stream, out, &data).await?;
+        }
+    };
+    if ended && framing == Framing::Chunked {
+        out.extend_from_slice(b"0\r\n\r\n");
+    }
+    flush(stream, out).await?;
+    Ok(keep
+        && ended
+        && match framing {
+            Framing::Length(n) => sent == n,
+            Framing::Chunked => true,
+            Framing::None | Framing::Close => false,
+        })
+}
+
+/// `name: value\r\n`.
+fn line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// A chunk's size line: the size in hex, then CRLF.
+fn chunk_line(out: &mut Vec<u8>, len: usize) {
+    let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1);
+    for i in (0..digits).rev() {
+        out.push(b"0123456789ABCDEF"[(len >> (i * 4)) & 0xF]);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Queues `data` behind what is waiting, or writes both when it is large.
+async fn send(stream: &mut TcpStream, out: &mut Vec<u8>, data: &[u8]) -> io::Result<()> {
+    if data.len() > COPY_LIMIT {
+        flush(stream, out).await?;
+        return stream.write_all(data).await;
+    }
+    out.extend_from_slice(data);
+    if out.len() >= COPY_LIMIT {
+        flush(stream, out).await?;
+    }
+    Ok(())
+}
+
+async fn flush(stream: &mut TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
+    if !out.is_empty() {
+        stream.write_all(out).await?;
+        out.clear();
+    }
+    Ok(())
+}
+
+thread_local! {
+    static DATE: RefCell<Date> = const { RefCell::new(Date { second: 0, text: [0; 29] }) };
+}
+
+/// The `Date` value, made again once a second (per thread).
+struct Date {
+    second: u64,
+    text: [u8; 29],
+}
+
+impl Date {
+    fn now(&mut self) -> &[u8] {
+        let now = SystemTime::now();
+        let second = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        if second != self.second {
+            let text = httpdate::fmt_http_date(now);
+            if text.len() == self.text.len() {
+                self.text.copy_from_slice(text.as_bytes());
+                self.second = second;
+            }
+        }
+        &self.text
+    }
+}
+
+/// A client connection handed to hyper: the bytes read and not used come
+/// first, then the stream.
+#[derive(Debug)]
+pub struct Rewind {
+    first: BytesMut,
+    stream: TcpStream,
+}
+
+impl Rewind {
+    fn new(stream: TcpStream, first: BytesMut) -> Rewind {
+        Rewind { first, stream }
+    }
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.first.is_empty() {
+            return Pin::new(&mut self.stream).poll_read(cx, buf);
+        }
+        let n = self.first.len().min(buf.remaining());
+        buf.put_slice(&self.first[..n]);
+        self.first.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
