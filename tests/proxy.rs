@@ -609,3 +609,137 @@ async fn connections_without_a_request_close_after_header_timeout() {
     tunnel.read_exact(&mut back).await.unwrap();
     assert_eq!(&back, b"still there");
 }
+
+/// One client connection whose requests are served by sluice's own HTTP/1.1
+/// server until one with a body hands the connection to hyper's, read by a
+/// strict HTTP/1.1 client (hyper's) that fails on any framing error.
+#[tokio::test]
+async fn one_connection_goes_from_the_own_server_to_hypers_intact() {
+    let (up, sluice) = setup().await;
+    let stream = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    let (mut conn, driver) = hyper::client::conn::http1::handshake::<_, BoxBody>(
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(driver);
+    let authority = sluice.addr.to_string();
+    let mut ask = async |method: &str, path: &str, body: BoxBody| {
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", &authority)
+            .body(body)
+            .unwrap();
+        let resp = conn.send_request(req).await.expect("connection lost");
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.expect("body cut short").to_bytes();
+        (parts, body)
+    };
+
+    let (echo, body) = ask("GET", "/items?q=1", empty()).await;
+    assert_eq!(echo.status, StatusCode::OK);
+    assert!(echo.headers.contains_key("date"));
+    let seen: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(seen["uri"], "/items?q=1");
+    // The upstream streams it chunked; it arrives whole, in its framing.
+    let (big, body) = ask("GET", "/bytes/300000", empty()).await;
+    assert_eq!((big.status, body.len()), (StatusCode::OK, 300_000));
+    let (head, body) = ask("HEAD", "/bytes/10", empty()).await;
+    assert_eq!((head.status, body.len()), (StatusCode::OK, 0));
+    for code in [204u16, 304] {
+        let (bodiless, body) = ask("GET", &format!("/status/{code}"), empty()).await;
+        assert_eq!((bodiless.status.as_u16(), body.len()), (code, 0));
+        assert!(!bodiless.headers.contains_key("keep-alive"));
+    }
+    // sluice's own answer: dated too.
+    let (missing, _) = ask("GET", "/ping/not-a-route", empty()).await;
+    assert_eq!(missing.status, StatusCode::OK, "/ping/... goes upstream");
+    let (pong, body) = ask("GET", "/ping", empty()).await;
+    assert_eq!((pong.status, &body[..]), (StatusCode::OK, &b"pong"[..]));
+    assert!(pong.headers.contains_key("date"));
+    // A body: from here on hyper's server has the connection.
+    let upload = Full::new(bytes::Bytes::from_static(b"hello")).map_err(|e| match e {});
+    let (uploaded, body) = ask("POST", "/upload", upload.boxed()).await;
+    assert_eq!((uploaded.status, &body[..]), (StatusCode::OK, &b"5"[..]));
+    let (after, body) = ask("GET", "/bytes/70000", empty()).await;
+    assert_eq!((after.status, body.len()), (StatusCode::OK, 70_000));
+    assert_eq!(up.conns.load(SeqCst), 2, "own and hyper's upstream pools, one each");
+}
+
+/// Pipelined requests are answered in order; `Connection: close` gets it
+/// back, once, and the connection ends after that answer.
+#[tokio::test]
+async fn pipelined_requests_and_connection_close() {
+    let (_up, sluice) = setup().await;
+    let out = raw(
+        sluice.addr,
+        b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /ping HTTP/1.1\r\nHost: x\r\n\r\n\
+          GET /b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGET /never HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    .await;
+    let statuses: Vec<&str> = out.matches("HTTP/1.1 200 OK\r\n").collect();
+    assert_eq!(statuses.len(), 3, "{out}");
+    assert!(out.find("\"/a\"") < out.find("pong") && out.find("pong") < out.find("\"/b\""));
+    assert!(!out.contains("/never"), "{out}");
+    assert_eq!(out.to_ascii_lowercase().matches("connection: close").count(), 1, "{out}");
+
+    // An error sluice answers itself closes the connection, saying so once.
+    let out = raw(sluice.addr, b"GET / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{out}");
+    let answers = out.lines().filter(|l| l.starts_with("HTTP/1.1 ")).count();
+    assert_eq!(answers, 1, "{out}");
+    assert_eq!(out.to_ascii_lowercase().matches("connection: close").count(), 1, "{out}");
+}
+
+/// A head too large for the own server's buffer goes to hyper's with what
+/// was read: either way, one over `max_header_bytes` is a 431 and one under
+/// it is served.
+#[tokio::test]
+async fn large_heads_are_judged_alike_by_both_servers() {
+    let (_up, sluice) = setup().await;
+    for (size, status) in [(3_000, "200"), (6_000, "431"), (12_000, "431")] {
+        let head = format!(
+            "GET /x HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+            "a".repeat(size)
+        );
+        let out = raw(sluice.addr, head.as_bytes()).await;
+        assert!(out.starts_with(&format!("HTTP/1.1 {status} ")), "{size}: {out}");
+    }
+}
+
+/// A client that hangs up while its request waits on the upstream cancels
+/// the request: the upstream sees its connection close, long before any
+/// timeout of sluice's would have ended it.
+#[tokio::test]
+async fn a_client_that_hangs_up_cancels_its_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let (got_head, head_seen) = tokio::sync::oneshot::channel();
+    let (got_eof, eof_seen) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        assert!(read_request_head(&mut s).await);
+        let _ = got_head.send(());
+        // Never answers; reports the connection's end.
+        let mut rest = [0u8; 64];
+        let _ = got_eof.send(matches!(s.read(&mut rest).await, Ok(0) | Err(_)));
+    });
+    let sluice = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"60s\"\n{}",
+        proxy_to(&format!("http://{upstream}"))
+    ))
+    .await;
+    let mut client = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    client
+        .write_all(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    head_seen.await.unwrap();
+    drop(client);
+    let closed = tokio::time::timeout(Duration::from_secs(5), eof_seen)
+        .await
+        .expect("the upstream exchange outlived its client");
+    assert!(closed.unwrap());
+}
