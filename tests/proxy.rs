@@ -617,11 +617,10 @@ async fn connections_without_a_request_close_after_header_timeout() {
 async fn one_connection_goes_from_the_own_server_to_hypers_intact() {
     let (up, sluice) = setup().await;
     let stream = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
-    let (mut conn, driver) = hyper::client::conn::http1::handshake::<_, BoxBody>(
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
+    let (mut conn, driver) =
+        hyper::client::conn::http1::handshake::<_, BoxBody>(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
     tokio::spawn(driver);
     let authority = sluice.addr.to_string();
     let mut ask = async |method: &str, path: &str, body: BoxBody| {
@@ -664,7 +663,11 @@ async fn one_connection_goes_from_the_own_server_to_hypers_intact() {
     assert_eq!((uploaded.status, &body[..]), (StatusCode::OK, &b"5"[..]));
     let (after, body) = ask("GET", "/bytes/70000", empty()).await;
     assert_eq!((after.status, body.len()), (StatusCode::OK, 70_000));
-    assert_eq!(up.conns.load(SeqCst), 2, "own and hyper's upstream pools, one each");
+    assert_eq!(
+        up.conns.load(SeqCst),
+        2,
+        "own and hyper's upstream pools, one each"
+    );
 }
 
 /// Pipelined requests are answered in order; `Connection: close` gets it
@@ -682,14 +685,30 @@ async fn pipelined_requests_and_connection_close() {
     assert_eq!(statuses.len(), 3, "{out}");
     assert!(out.find("\"/a\"") < out.find("pong") && out.find("pong") < out.find("\"/b\""));
     assert!(!out.contains("/never"), "{out}");
-    assert_eq!(out.to_ascii_lowercase().matches("connection: close").count(), 1, "{out}");
+    assert_eq!(
+        out.to_ascii_lowercase()
+            .matches("connection: close")
+            .count(),
+        1,
+        "{out}"
+    );
 
     // An error sluice answers itself closes the connection, saying so once.
-    let out = raw(sluice.addr, b"GET / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    let out = raw(
+        sluice.addr,
+        b"GET / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    .await;
     assert!(out.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{out}");
     let answers = out.lines().filter(|l| l.starts_with("HTTP/1.1 ")).count();
     assert_eq!(answers, 1, "{out}");
-    assert_eq!(out.to_ascii_lowercase().matches("connection: close").count(), 1, "{out}");
+    assert_eq!(
+        out.to_ascii_lowercase()
+            .matches("connection: close")
+            .count(),
+        1,
+        "{out}"
+    );
 }
 
 /// A head too large for the own server's buffer goes to hyper's with what
@@ -704,7 +723,10 @@ async fn large_heads_are_judged_alike_by_both_servers() {
             "a".repeat(size)
         );
         let out = raw(sluice.addr, head.as_bytes()).await;
-        assert!(out.starts_with(&format!("HTTP/1.1 {status} ")), "{size}: {out}");
+        assert!(
+            out.starts_with(&format!("HTTP/1.1 {status} ")),
+            "{size}: {out}"
+        );
     }
 }
 

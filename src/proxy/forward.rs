@@ -44,14 +44,34 @@ fn hop_index(name: &str) -> Option<usize> {
         .position(|h| h.as_str().eq_ignore_ascii_case(name))
 }
 
+/// The position of `name` in [`HOP_BY_HOP`]. By length first: every header
+/// of every request and response is looked at, and most share no length with
+/// a hop-by-hop one (comparing each with all eight cost about 700
+/// instructions a proxied request).
+fn hop_position(name: &HeaderName) -> Option<usize> {
+    let name = name.as_str();
+    let i = match name.len() {
+        10 if name == "connection" => 0,
+        10 => 1,
+        16 => 2,
+        18 => 3,
+        19 => 4,
+        2 => 5,
+        17 => 6,
+        7 => 7,
+        _ => return None,
+    };
+    // Header names are lowercase once parsed.
+    (HOP_BY_HOP[i].as_str() == name).then_some(i)
+}
+
 /// Removes hop-by-hop headers, including those `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One look at each header says which are there: usually none in a
     // request, and `Connection: keep-alive` alone in a response.
     let mut present = 0u16;
     for name in headers.keys() {
-        // Parsed names of standard headers compare as numbers, not text.
-        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+        if let Some(i) = hop_position(name) {
             present |= 1 << i;
         }
     }
@@ -215,6 +235,18 @@ mod tests {
         strip_hop_by_hop(&mut usual);
         assert_eq!(usual.len(), 1, "{usual:?}");
         assert!(usual.contains_key("x-kept"));
+
+        // Each hop-by-hop name is found by its own position, and names of
+        // the same lengths are not mistaken for them.
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(hop_position(name), Some(i));
+        }
+        for other in ["connections", "x-te", "te-x", "upgrades", "x-connection"] {
+            let other = HeaderName::from_bytes(other.as_bytes()).unwrap();
+            assert_eq!(hop_position(&other), None, "{other}");
+        }
+        let lookalike = HeaderName::from_static("keep-alivx");
+        assert_eq!(hop_position(&lookalike), None);
 
         // Nothing to remove: nothing changes.
         let mut plain = HeaderMap::new();
