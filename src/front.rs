@@ -85,7 +85,7 @@ pub async fn serve(
     let mut out = Vec::new();
     loop {
         // The next request's head, read as far as needed.
-        let (req, close) = loop {
+        let (mut req, close) = loop {
             match parse(&mut buf) {
                 Parsed::Request(req, close) => break (req, close),
                 Parsed::Partial if buf.len() < MAX_HEAD => {}
@@ -109,7 +109,7 @@ pub async fn serve(
         let in_flight = client.idle.clone().begin();
         let resp = tokio::select! {
             biased;
-            resp = client.proxy.handle(req, client.peer, client.keys) => resp,
+            resp = client.proxy.handle(&mut req, client.peer, client.keys) => resp,
             () = client_gone(&mut stream, &mut buf) => return Ok(Served::Closed),
         };
         let keep = !close && !signal.has_changed().unwrap_or(true);

@@ -151,7 +151,8 @@ impl Server {
                             let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                             async move {
                                 let request = idle.begin();
-                                let resp = proxy.handle(req.map(RequestBody::Stream), peer, &keys).await;
+                                let mut req = req.map(RequestBody::Stream);
+                                let resp = proxy.handle(&mut req, peer, &keys).await;
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })

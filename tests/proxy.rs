@@ -108,6 +108,9 @@ async fn strips_hop_by_hop_headers_from_responses() {
     assert_eq!(reply.status, StatusCode::CREATED);
     assert_eq!(reply.header("x-upstream"), Some("yes"));
     assert!(reply.header("keep-alive").is_none());
+    // A field the upstream's `Connection` names is the connection's too.
+    assert!(reply.header("x-secret").is_none());
+    assert!(reply.header("connection").is_none());
 }
 
 #[tokio::test]

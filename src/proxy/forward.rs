@@ -14,6 +14,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
+use smallvec::SmallVec;
 
 use crate::config::{Upstream, UpstreamServer};
 use crate::proxy::RequestBody;
@@ -78,23 +79,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if present == 0 {
         return;
     }
-    // `Connection: keep-alive` or `close`, the usual values, name no header.
-    let usual = |v: &HeaderValue| {
-        let v = v.as_bytes();
-        v.eq_ignore_ascii_case(b"keep-alive") || v.eq_ignore_ascii_case(b"close")
-    };
-    if present & 1 != 0 && !headers.get_all(header::CONNECTION).iter().all(usual) {
-        // Names `Connection` lists besides the standard ones (and `close`).
-        let named: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .filter(|t| hop_index(t).is_none() && !t.eq_ignore_ascii_case("close"))
-            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
-            .collect();
-        for name in named {
+    if present & 1 != 0 {
+        for name in connection_named(headers) {
             headers.remove(name);
         }
     }
@@ -102,6 +88,40 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         if present & 1 << i != 0 {
             headers.remove(name);
         }
+    }
+}
+
+/// The headers `Connection` names besides the hop-by-hop ones (and `close`):
+/// they are hop-by-hop too. Usually none (`keep-alive`, `close`), and then
+/// nothing is allocated.
+fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
+    let values = headers.get_all(header::CONNECTION);
+    if values.iter().all(|v| names_none(v.as_bytes())) {
+        return Vec::new();
+    }
+    values
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| hop_index(t).is_none() && !t.eq_ignore_ascii_case("close"))
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+        .collect()
+}
+
+/// `Connection: keep-alive` or `close`, the usual values, name no field.
+fn names_none(connection: &[u8]) -> bool {
+    connection.eq_ignore_ascii_case(b"keep-alive") || connection.eq_ignore_ascii_case(b"close")
+}
+
+/// Whether a field read from an upstream need not be kept at all: it is
+/// hop-by-hop, and names no other field that [`strip_hop_by_hop`] would
+/// have to remove with it.
+pub(super) fn lone_hop(name: &HeaderName, value: &[u8]) -> bool {
+    match hop_position(name) {
+        None => false,
+        Some(0) => names_none(value),
+        Some(_) => true,
     }
 }
 
@@ -142,6 +162,112 @@ pub fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
         .flatten()
 }
 
+/// The upstream's request target when it is not the client's as it came:
+/// `None` for the usual origin form (`/path?query`, from which the upstream
+/// learns its authority from Host) with no `base_path` to put before it.
+fn upstream_target(
+    uri: &Uri,
+    server: &UpstreamServer,
+) -> Result<Option<PathAndQuery>, &'static str> {
+    let origin_form = uri.scheme().is_none() && uri.authority().is_none();
+    if origin_form && server.base_path.is_empty() {
+        return Ok(None);
+    }
+    let pq = uri.path_and_query().map_or("/", PathAndQuery::as_str);
+    if server.base_path.is_empty() {
+        PathAndQuery::try_from(pq)
+    } else {
+        PathAndQuery::try_from(format!("{}{}", server.base_path, pq))
+    }
+    .map(Some)
+    .map_err(|_| "bad request target")
+}
+
+/// The upstream's request head as HTTP/1.1 bytes, written straight from the
+/// client's request: the same request [`rewrite_request`] makes (less an
+/// upgrade, which goes through hyper), for sluice's own upstream client.
+/// Writing it directly skips changing the header map (four insertions, a
+/// removal or two) and then reading it again: about 2,000 instructions of a
+/// proxied `GET`. The headers sluice sets come after the client's.
+pub fn upstream_head(
+    req: &Request<RequestBody>,
+    upstream: &Upstream,
+    server: &UpstreamServer,
+    peer: IpAddr,
+    host: Option<&HeaderValue>,
+    https: bool,
+) -> Result<Vec<u8>, &'static str> {
+    let uri = req.uri();
+    let target = upstream_target(uri, server)?;
+    let pq = match &target {
+        Some(pq) => pq.as_str(),
+        None => uri.path_and_query().map_or("/", PathAndQuery::as_str),
+    };
+    let headers = req.headers();
+    let fields: usize = headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    // The line, the client's fields, the four set here (at most a host and
+    // an address each, with their names), the blank line.
+    let mut head = Vec::with_capacity(req.method().as_str().len() + pq.len() + 13 + fields + 160);
+    head.extend_from_slice(req.method().as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(pq.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\n");
+
+    // A scan of the names is cheaper than looking `Connection` up.
+    let named = if headers.keys().any(|n| n == header::CONNECTION) {
+        connection_named(headers)
+    } else {
+        Vec::new()
+    };
+    let mut prior_for: SmallVec<[&HeaderValue; 2]> = SmallVec::new();
+    for (name, value) in headers {
+        if hop_position(name).is_some() || named.contains(name) || name == header::HOST {
+            continue;
+        }
+        if name == X_FORWARDED_FOR {
+            if value.to_str().is_ok() {
+                prior_for.push(value);
+            }
+            continue;
+        }
+        if name == X_FORWARDED_PROTO || (name == X_FORWARDED_HOST && host.is_some()) {
+            continue;
+        }
+        field(&mut head, name.as_str(), value.as_bytes());
+    }
+    let host_value = match (upstream.pass_host, host) {
+        (true, Some(host)) => host,
+        _ => &server.host,
+    };
+    field(&mut head, "host", host_value.as_bytes());
+    // Every prior line, in order, then the peer.
+    head.extend_from_slice(b"x-forwarded-for: ");
+    for prior in prior_for {
+        head.extend_from_slice(prior.as_bytes());
+        head.extend_from_slice(b", ");
+    }
+    crate::identity::push_ip_text(&mut head, peer.to_canonical());
+    head.extend_from_slice(b"\r\n");
+    let proto: &[u8] = if https { b"https" } else { b"http" };
+    field(&mut head, "x-forwarded-proto", proto);
+    if let Some(host) = host {
+        field(&mut head, "x-forwarded-host", host.as_bytes());
+    }
+    head.extend_from_slice(b"\r\n");
+    Ok(head)
+}
+
+/// `name: value\r\n`.
+fn field(head: &mut Vec<u8>, name: &str, value: &[u8]) {
+    head.extend_from_slice(name.as_bytes());
+    head.extend_from_slice(b": ");
+    head.extend_from_slice(value);
+    head.extend_from_slice(b"\r\n");
+}
+
 /// Turns the client's request into the upstream's, in place of its parts.
 pub fn rewrite_request(
     req: Request<RequestBody>,
@@ -153,17 +279,7 @@ pub fn rewrite_request(
     upgrade: Option<&HeaderValue>,
 ) -> Result<Request<RequestBody>, &'static str> {
     let (mut parts, body) = req.into_parts();
-    // Origin form (`/path?query`): the upstream learns its authority from Host.
-    // HTTP/1 requests usually come in it, and are kept as parsed.
-    let origin_form = parts.uri.scheme().is_none() && parts.uri.authority().is_none();
-    if !(origin_form && server.base_path.is_empty()) {
-        let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
-        let pq = if server.base_path.is_empty() {
-            PathAndQuery::try_from(pq)
-        } else {
-            PathAndQuery::try_from(format!("{}{}", server.base_path, pq))
-        }
-        .map_err(|_| "bad request target")?;
+    if let Some(pq) = upstream_target(&parts.uri, server)? {
         parts.uri = Uri::from(pq);
     }
     parts.version = Version::HTTP_11;
@@ -207,6 +323,162 @@ pub fn rewrite_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn upstream(pass_host: bool, base_path: &str) -> Upstream {
+        Upstream {
+            name: "api".into(),
+            servers: vec![UpstreamServer {
+                scheme: http::uri::Scheme::HTTP,
+                authority: http::uri::Authority::from_static("10.0.0.9:8080"),
+                base_path: base_path.to_string(),
+                host: HeaderValue::from_static("10.0.0.9:8080"),
+            }],
+            ca: None,
+            pass_host,
+            next: Default::default(),
+            down_until: vec![Default::default()],
+        }
+    }
+
+    /// A head as (request line, each name's values in order), to compare
+    /// heads whose fields of different names come in different orders.
+    fn fields(head: &[u8]) -> (String, std::collections::BTreeMap<String, Vec<String>>) {
+        let text = std::str::from_utf8(head).unwrap();
+        let body_at = text.find("\r\n\r\n").expect("a whole head");
+        assert_eq!(body_at + 4, text.len(), "nothing after the head");
+        let mut lines = text[..body_at].split("\r\n");
+        let line = lines.next().unwrap().to_string();
+        let mut map = std::collections::BTreeMap::<String, Vec<String>>::new();
+        for l in lines {
+            let (name, value) = l.split_once(": ").unwrap();
+            map.entry(name.to_string())
+                .or_default()
+                .push(value.to_string());
+        }
+        (line, map)
+    }
+
+    /// The same request as the head `rewrite_request` leads to.
+    fn rewritten_head(req: &Request<RequestBody>) -> Vec<u8> {
+        let mut head = format!(
+            "{} {} HTTP/1.1\r\n",
+            req.method(),
+            req.uri().path_and_query().map_or("/", |p| p.as_str())
+        )
+        .into_bytes();
+        for (name, value) in req.headers() {
+            field(&mut head, name.as_str(), value.as_bytes());
+        }
+        head.extend_from_slice(b"\r\n");
+        head
+    }
+
+    /// The head written for the own client and the request rewritten for
+    /// hyper's say the same: they are two ways to one request.
+    #[test]
+    fn the_written_head_says_what_the_rewritten_request_says() {
+        let peer: IpAddr = "192.0.2.7".parse().unwrap();
+        // (target, headers, pass_host, base_path)
+        type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], bool, &'a str);
+        let cases: &[Case] = &[
+            ("/", &[("host", "api.example")], false, ""),
+            (
+                "/a?b=1",
+                &[("host", "api.example"), ("accept", "*/*")],
+                true,
+                "",
+            ),
+            ("/a?b=1", &[("host", "api.example")], false, "/v2"),
+            ("http://api.example/x", &[], false, ""),
+            (
+                "/hops",
+                &[
+                    ("host", "api.example"),
+                    ("connection", "keep-alive, X-Secret"),
+                    ("x-secret", "1"),
+                    ("keep-alive", "timeout=5"),
+                    ("proxy-authorization", "Basic x"),
+                    ("x-kept", "a"),
+                    ("x-kept", "b"),
+                ],
+                false,
+                "",
+            ),
+            (
+                "/fwd",
+                &[
+                    ("host", "api.example"),
+                    ("x-forwarded-for", "198.51.100.1"),
+                    ("x-forwarded-for", "198.51.100.2, 198.51.100.3"),
+                    ("x-forwarded-proto", "https"),
+                    ("x-forwarded-host", "spoofed.example"),
+                ],
+                true,
+                "",
+            ),
+            // A Connection that names a header sluice sets itself.
+            (
+                "/named",
+                &[
+                    ("host", "api.example"),
+                    ("connection", "x-forwarded-for"),
+                    ("x-forwarded-for", "198.51.100.1"),
+                ],
+                false,
+                "",
+            ),
+            // No Host at all: an HTTP/1.0 request in origin form.
+            ("/old", &[("x-forwarded-host", "kept.example")], false, ""),
+        ];
+        for &(target, headers, pass_host, base_path) in cases {
+            let up = upstream(pass_host, base_path);
+            let server = &up.servers[0];
+            let mut req = Request::new(RequestBody::Empty);
+            *req.uri_mut() = target.parse().unwrap();
+            for &(name, value) in headers {
+                req.headers_mut().append(
+                    HeaderName::from_static(name),
+                    HeaderValue::from_static(value),
+                );
+            }
+            let host = req.headers().get(header::HOST).cloned().or_else(|| {
+                req.uri()
+                    .authority()
+                    .map(|a| HeaderValue::from_str(a.as_str()).unwrap())
+            });
+            for https in [false, true] {
+                let written = upstream_head(&req, &up, server, peer, host.as_ref(), https).unwrap();
+                let mut copy = Request::new(RequestBody::Empty);
+                *copy.uri_mut() = req.uri().clone();
+                *copy.headers_mut() = req.headers().clone();
+                let rewritten =
+                    rewrite_request(copy, &up, server, peer, host.as_ref(), https, None).unwrap();
+                assert_eq!(
+                    fields(&written),
+                    fields(&rewritten_head(&rewritten)),
+                    "{target} {headers:?}"
+                );
+            }
+        }
+
+        // Spot checks of what both say.
+        let up = upstream(false, "/v2");
+        let mut req = Request::new(RequestBody::Empty);
+        *req.uri_mut() = "/a?b=1".parse().unwrap();
+        req.headers_mut()
+            .append("x-forwarded-for", HeaderValue::from_static("198.51.100.1"));
+        req.headers_mut()
+            .append("connection", HeaderValue::from_static("close"));
+        let host = HeaderValue::from_static("api.example");
+        let head = upstream_head(&req, &up, &up.servers[0], peer, Some(&host), false).unwrap();
+        let (line, map) = fields(&head);
+        assert_eq!(line, "GET /v2/a?b=1 HTTP/1.1");
+        assert_eq!(map["host"], ["10.0.0.9:8080"]);
+        assert_eq!(map["x-forwarded-for"], ["198.51.100.1, 192.0.2.7"]);
+        assert_eq!(map["x-forwarded-host"], ["api.example"]);
+        assert_eq!(map["x-forwarded-proto"], ["http"]);
+        assert!(!map.contains_key("connection"));
+    }
 
     #[test]
     fn hop_by_hop_headers_go_and_others_stay() {

@@ -19,7 +19,7 @@ use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response, StatusCode, Version};
+use http::{Response, StatusCode, Version};
 use hyper::body::{Frame, SizeHint};
 use smallvec::SmallVec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -76,30 +76,6 @@ impl Conn {
         self.buf.is_empty()
             && matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
-}
-
-/// The head of `req` (already rewritten for the upstream: origin form,
-/// `Host` set, hop-by-hop headers gone) as HTTP/1.1 bytes.
-pub fn request_head<B>(req: &Request<B>) -> Vec<u8> {
-    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
-    let fields: usize = req
-        .headers()
-        .iter()
-        .map(|(k, v)| k.as_str().len() + v.len() + 4)
-        .sum();
-    let mut head = Vec::with_capacity(req.method().as_str().len() + pq.len() + 13 + fields + 2);
-    head.extend_from_slice(req.method().as_str().as_bytes());
-    head.push(b' ');
-    head.extend_from_slice(pq.as_bytes());
-    head.extend_from_slice(b" HTTP/1.1\r\n");
-    for (name, value) in req.headers() {
-        head.extend_from_slice(name.as_str().as_bytes());
-        head.extend_from_slice(b": ");
-        head.extend_from_slice(value.as_bytes());
-        head.extend_from_slice(b"\r\n");
-    }
-    head.extend_from_slice(b"\r\n");
-    head
 }
 
 /// Writes `head` and reads the final answer's head. `head_only`: the request
@@ -196,7 +172,12 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Said)>, H1Erro
         let value = HeaderValue::from_maybe_shared(head.slice(from..to))
             .map_err(|_| H1Error::Framing("a header value with a control character"))?;
         said.note(&name, value.as_bytes());
-        headers.append(name, value);
+        // The connection's fields (`Connection: keep-alive`...) say what
+        // they say to `said`, and are not the answer's: kept, they would
+        // only be removed again (`strip_hop_by_hop`).
+        if !super::forward::lone_hop(&name, value.as_bytes()) {
+            headers.append(name, value);
+        }
     }
     said.keep = match version {
         Version::HTTP_10 => said.keep_alive,

@@ -243,10 +243,12 @@ impl Proxy {
     }
 
     /// Serves one request from `peer`. Never fails: every error is a response.
-    /// `keys` is the connection's cache of counter keys.
+    /// `keys` is the connection's cache of counter keys. The request is lent,
+    /// not given: the caller's future holds it once, where a request passed
+    /// by value took room in every phase's future, twice.
     pub async fn handle(
         &self,
-        req: Request<RequestBody>,
+        req: &mut Request<RequestBody>,
         peer: SocketAddr,
         keys: &KeyCache,
     ) -> Response<Body> {
@@ -295,7 +297,7 @@ impl Proxy {
     async fn phases(
         &self,
         state: &State,
-        req: Request<RequestBody>,
+        req: &mut Request<RequestBody>,
         peer: SocketAddr,
         keys: &KeyCache,
         ctx: &mut RequestCtx,
@@ -304,10 +306,10 @@ impl Proxy {
 
         // 1. match
         let max = config.server.max_header_bytes;
-        if head_size(&req) > max {
+        if head_size(req) > max {
             return Err(ProxyError::HeadersTooLarge(max));
         }
-        let host = request_host(&req)?;
+        let host = request_host(req)?;
         let route = state
             .router
             .find(
@@ -423,7 +425,7 @@ impl Proxy {
     async fn forward(
         &self,
         route: &Route,
-        req: Request<RequestBody>,
+        req: &mut Request<RequestBody>,
         peer: SocketAddr,
         host: Option<HeaderValue>,
         state: &State,
@@ -447,31 +449,42 @@ impl Proxy {
         };
         let index = forward::pick(upstream);
         let server = &upstream.servers[index];
-        let mut req = req;
         // An Upgrade (WebSocket...) is passed through: both sides switch, then
         // bytes are copied both ways until either closes.
         let upgrade = (req.version() == http::Version::HTTP_11)
             .then(|| forward::upgrade_protocol(req.headers()))
             .flatten();
-        let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
-        let req = forward::rewrite_request(
-            req,
-            upstream,
-            server,
-            peer.ip(),
-            host.as_ref(),
-            self.https,
-            upgrade.as_ref(),
-        )
-        .map_err(ProxyError::BadRequest)?;
-        // One clock read for the deadline and the histogram.
-        let sent = tokio::time::Instant::now();
+        let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut *req));
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
-        let result = tokio::time::timeout_at(
-            sent + timeout,
-            client.request(server, req, upgrade.is_some()),
-        )
-        .await;
+        // One clock read, when the request is ready to go, for the deadline
+        // and the histogram.
+        let sent;
+        let result = if UpstreamClient::own_way(server, req, upgrade.is_some()) {
+            let head =
+                forward::upstream_head(req, upstream, server, peer.ip(), host.as_ref(), self.https)
+                    .map_err(ProxyError::BadRequest)?;
+            let method = req.method().clone();
+            sent = tokio::time::Instant::now();
+            tokio::time::timeout_at(sent + timeout, client.request_own(server, head, method)).await
+        } else {
+            // hyper's client takes the request itself.
+            let req = std::mem::replace(req, Request::new(RequestBody::Empty));
+            let req = forward::rewrite_request(
+                req,
+                upstream,
+                server,
+                peer.ip(),
+                host.as_ref(),
+                self.https,
+                upgrade.as_ref(),
+            )
+            .map_err(ProxyError::BadRequest)?;
+            // Boxed: hyper's exchange has a large state, which would size
+            // every request's future.
+            let exchange = Box::pin(client.request(server, req));
+            sent = tokio::time::Instant::now();
+            tokio::time::timeout_at(sent + timeout, exchange).await
+        };
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
         if let Some(h) = state.upstream_seconds.get(&addr(upstream)) {

@@ -173,21 +173,30 @@ impl UpstreamClient {
         })
     }
 
-    /// Sends `req` (its URI in origin form, its `Host` set) to `server`;
-    /// `upgrade`: it asks to switch protocols.
+    /// Whether a request for `server` goes the own way ([`request_own`]):
+    /// plain HTTP, no body, no upgrade, not `CONNECT`. Others go through
+    /// hyper's client ([`request`]).
+    ///
+    /// [`request_own`]: UpstreamClient::request_own
+    /// [`request`]: UpstreamClient::request
+    pub fn own_way(server: &UpstreamServer, req: &Request<RequestBody>, upgrade: bool) -> bool {
+        server.scheme != http::uri::Scheme::HTTPS
+            && !upgrade
+            && req.body().is_end_stream()
+            && req.method() != Method::CONNECT
+    }
+
+    /// Sends `req` (its URI in origin form, its `Host` set) to `server`
+    /// through hyper's client.
     pub async fn request(
         &self,
         server: &UpstreamServer,
         mut req: Request<RequestBody>,
-        upgrade: bool,
     ) -> Result<Response<PooledBody>, UpstreamError> {
         let origin: Origin = (
             server.scheme == http::uri::Scheme::HTTPS,
             server.host.clone(),
         );
-        if !origin.0 && !upgrade && req.body().is_end_stream() && req.method() != Method::CONNECT {
-            return self.request_own(server, origin, &req).await;
-        }
         // Set once a request was resent: it goes on a new connection.
         let mut fresh = false;
         loop {
@@ -232,16 +241,17 @@ impl UpstreamClient {
         }
     }
 
-    /// Sends a request without a body the own way ([`h1`]).
-    async fn request_own(
+    /// Sends a request without a body the own way ([`h1`]): its `head`,
+    /// HTTP/1.1 bytes, as [`own_way`](UpstreamClient::own_way) allows.
+    pub async fn request_own(
         &self,
         server: &UpstreamServer,
-        origin: Origin,
-        req: &Request<RequestBody>,
+        head: Vec<u8>,
+        method: Method,
     ) -> Result<Response<PooledBody>, UpstreamError> {
-        let head = h1::request_head(req);
-        let head_only = req.method() == Method::HEAD;
-        let safe = safe_to_repeat(req.method());
+        let origin: Origin = (false, server.host.clone());
+        let head_only = method == Method::HEAD;
+        let safe = safe_to_repeat(&method);
         // Set once a request was resent: it goes on a new connection.
         let mut fresh = false;
         loop {

@@ -110,6 +110,9 @@ async fn upstream_answer(
         // A response with hop-by-hop headers the proxy must strip.
         r.headers_mut()
             .insert("keep-alive", "timeout=5".parse().unwrap());
+        r.headers_mut()
+            .insert("connection", "keep-alive, x-secret".parse().unwrap());
+        r.headers_mut().insert("x-secret", "hop".parse().unwrap());
         r.headers_mut().insert("x-upstream", "yes".parse().unwrap());
         return Ok(r);
     }
