@@ -373,8 +373,9 @@ async fn write_response(
         })
 }
 
-/// `name: value\r\n`.
-fn line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+/// `name: value\r\n`: a field of an HTTP/1.1 head (also the upstream
+/// request's, see `proxy::forward::upstream_head`).
+pub(crate) fn line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);

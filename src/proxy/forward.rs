@@ -17,6 +17,7 @@ use http::{Request, Version};
 use smallvec::SmallVec;
 
 use crate::config::{Upstream, UpstreamServer};
+use crate::front::line;
 use crate::proxy::RequestBody;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -221,7 +222,7 @@ pub fn upstream_head(
         (true, Some(host)) => host,
         _ => &server.host,
     };
-    field(&mut head, "host", host_value.as_bytes());
+    line(&mut head, b"host", host_value.as_bytes());
 
     // A scan of the names is cheaper than looking `Connection` up.
     let named = if headers.keys().any(|n| n == header::CONNECTION) {
@@ -243,7 +244,7 @@ pub fn upstream_head(
         if name == X_FORWARDED_PROTO || (name == X_FORWARDED_HOST && host.is_some()) {
             continue;
         }
-        field(&mut head, name.as_str(), value.as_bytes());
+        line(&mut head, name.as_str().as_bytes(), value.as_bytes());
     }
     // Every prior line, in order, then the peer.
     head.extend_from_slice(b"x-forwarded-for: ");
@@ -254,20 +255,12 @@ pub fn upstream_head(
     crate::identity::push_ip_text(&mut head, peer.to_canonical());
     head.extend_from_slice(b"\r\n");
     let proto: &[u8] = if https { b"https" } else { b"http" };
-    field(&mut head, "x-forwarded-proto", proto);
+    line(&mut head, b"x-forwarded-proto", proto);
     if let Some(host) = host {
-        field(&mut head, "x-forwarded-host", host.as_bytes());
+        line(&mut head, b"x-forwarded-host", host.as_bytes());
     }
     head.extend_from_slice(b"\r\n");
     Ok(head)
-}
-
-/// `name: value\r\n`.
-fn field(head: &mut Vec<u8>, name: &str, value: &[u8]) {
-    head.extend_from_slice(name.as_bytes());
-    head.extend_from_slice(b": ");
-    head.extend_from_slice(value);
-    head.extend_from_slice(b"\r\n");
 }
 
 /// Turns the client's request into the upstream's, in place of its parts.
@@ -369,7 +362,7 @@ mod tests {
         )
         .into_bytes();
         for (name, value) in req.headers() {
-            field(&mut head, name.as_str(), value.as_bytes());
+            line(&mut head, name.as_str().as_bytes(), value.as_bytes());
         }
         head.extend_from_slice(b"\r\n");
         head
