@@ -147,7 +147,7 @@ impl Server {
                         let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                         service_fn(move |req| {
                             // The request begins inside the future: begun out
-                            // here, it made hyper copy the (4 KB) future once more.
+                            // here, it made hyper copy the request's future once more.
                             let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                             async move {
                                 let request = idle.begin();
