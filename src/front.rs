@@ -45,7 +45,7 @@ use tokio::sync::watch;
 
 use crate::idle::Idle;
 use crate::limiter::KeyCache;
-use crate::proxy::{Body, Proxy, RequestBody};
+use crate::proxy::{Body, Limits, Proxy, RequestBody};
 
 /// The most a request head may take here; a longer one goes to hyper, whose
 /// limit is `server.max_header_bytes`.
@@ -113,7 +113,16 @@ pub async fn serve(
             () = client_gone(&mut stream, &mut buf) => return Ok(Served::Closed),
         };
         let keep = !close && !signal.has_changed().unwrap_or(true);
-        let again = write_response(&mut stream, &mut out, resp, head_only, keep).await?;
+        let (resp, limits) = resp;
+        let again = write_response(
+            &mut stream,
+            &mut out,
+            resp,
+            limits.as_ref(),
+            head_only,
+            keep,
+        )
+        .await?;
         drop(in_flight);
         if !again {
             return Ok(Served::Closed);
@@ -256,6 +265,7 @@ async fn write_response(
     stream: &mut TcpStream,
     out: &mut Vec<u8>,
     resp: Response<Body>,
+    limits: Option<&Limits>,
     head_only: bool,
     keep: bool,
 ) -> io::Result<bool> {
@@ -282,8 +292,14 @@ async fn write_response(
         } else if name == header::CONNECTION {
             // Sluice's own answers to a broken request end the connection.
             said_close |= value.as_bytes().eq_ignore_ascii_case(b"close");
+        } else if limits.is_some_and(|l| l.writes(name)) {
+            // The upstream's own count gives way to the proxy's.
+            continue;
         }
         line(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    if let Some(limits) = limits {
+        limits.each(|name, value| line(out, name.as_str().as_bytes(), value));
     }
     if !dated {
         DATE.with_borrow_mut(|date| line(out, b"date", date.now()));

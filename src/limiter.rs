@@ -55,7 +55,7 @@ pub enum Verdict {
 /// What [`Limiter::settle`] needs to give back or charge a request's units.
 pub struct Ticket {
     counters: Arc<Counters>,
-    marks: Vec<u64>,
+    marks: PerCounter<u64>,
     cost: u64,
 }
 

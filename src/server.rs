@@ -152,7 +152,10 @@ impl Server {
                             async move {
                                 let request = idle.begin();
                                 let mut req = req.map(RequestBody::Stream);
-                                let resp = proxy.handle(&mut req, peer, &keys).await;
+                                let (mut resp, limits) = proxy.handle(&mut req, peer, &keys).await;
+                                if let Some(limits) = limits {
+                                    limits.insert(resp.headers_mut());
+                                }
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })

@@ -171,7 +171,7 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
                         denied += 1
                     }
                     if m.allowed && charge {
-                        tickets.push((counters, m.marks, r.marks, cost));
+                        tickets.push((counters, m.marks.to_vec(), r.marks.to_vec(), cost));
                     }
                 }
             }

@@ -545,6 +545,46 @@ async fn header_style_none_and_respond_routes() {
 }
 
 #[tokio::test]
+async fn the_proxys_rate_limit_fields_replace_the_upstreams() {
+    let up = Upstream::start().await;
+    let s = start(
+        &up,
+        "[headers]\nstyle = \"both\"\n[policies.p]\nlimits = [{ limit = 3, window = \"1m\" }]",
+        "[[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"",
+        60_000,
+    )
+    .await;
+    // HTTP/1.1 (sluice's own front writes the fields) and HTTP/2 (hyper's
+    // way: they go in the header map), then a 429.
+    let one = get(&s.url("/claims"), &[]).await;
+    let req = Request::get(s.url("/claims")).body(empty()).unwrap();
+    let two = send(&h2_client(), req).await;
+    get(&s.url("/claims"), &[]).await;
+    let denied = get(&s.url("/claims"), &[]).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    for (r, remaining) in [(&one, "2"), (&two, "1"), (&denied, "0")] {
+        let all = |name: &str| -> Vec<&str> {
+            r.headers
+                .get_all(name)
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect()
+        };
+        assert_eq!(all("x-ratelimit-limit"), ["3"]);
+        assert_eq!(all("x-ratelimit-remaining"), [remaining]);
+        assert_eq!(all("x-ratelimit-reset").len(), 1);
+        assert_ne!(all("x-ratelimit-reset"), ["1"]);
+        assert_eq!(all("ratelimit-policy"), ["\"p-1m\";q=3;w=60"]);
+        assert_eq!(all("ratelimit").len(), 1);
+        assert!(all("ratelimit")[0].starts_with(&format!("\"p-1m\";r={remaining};t=")));
+    }
+    // The upstream's other fields pass.
+    assert_eq!(one.header("x-ratelimit-scope"), Some("upstream"));
+    assert_eq!(two.header("x-ratelimit-scope"), Some("upstream"));
+    assert_eq!(&one.body[..], b"claims");
+}
+
+#[tokio::test]
 async fn memory_stays_bounded_under_a_flood_of_identities() {
     let up = Upstream::start().await;
     let s = start(

@@ -39,6 +39,7 @@ use pool::{PooledBody, UpstreamClient, UpstreamError};
 pub use pool::RequestBody;
 
 pub use error::ProxyError;
+pub use ratelimit_headers::Limits;
 
 use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target};
 use crate::identity;
@@ -147,6 +148,8 @@ struct RequestCtx {
     route: Option<Arc<str>>,
     decision: &'static str,
     upstream_time: Option<Duration>,
+    /// The rate-limit fields of the answer, written where it is written.
+    limits: Option<Limits>,
 }
 
 impl Proxy {
@@ -246,17 +249,21 @@ impl Proxy {
     /// `keys` is the connection's cache of counter keys. The request is lent,
     /// not given: the caller's future holds it once, where a request passed
     /// by value took room in every phase's future, twice.
+    ///
+    /// The answer's rate-limit fields come beside it, for the caller to
+    /// write (see [`Limits`]): they are not in its header map yet.
     pub async fn handle(
         &self,
         req: &mut Request<RequestBody>,
         peer: SocketAddr,
         keys: &KeyCache,
-    ) -> Response<Body> {
+    ) -> (Response<Body>, Option<Limits>) {
         let state = self.state.load_full();
         let mut ctx = RequestCtx {
             route: None,
             decision: "none",
             upstream_time: None,
+            limits: None,
         };
         // Kept only when the access log is on (it usually is not under load
         // tests). The log never shows the query: it often carries credentials.
@@ -279,7 +286,7 @@ impl Proxy {
             })
             .inc();
         let Some((started, method, path)) = logged else {
-            return resp;
+            return (resp, ctx.limits);
         };
         tracing::info!(
             target: "sluice::access",
@@ -291,7 +298,7 @@ impl Proxy {
             upstream_ms = ctx.upstream_time.map(millis),
             total_ms = millis(started.elapsed()),
         );
-        resp
+        (resp, ctx.limits)
     }
 
     async fn phases(
@@ -366,11 +373,11 @@ impl Proxy {
                 Ok(Verdict::Limited { binding: b }) => {
                     ctx.decision = "limited";
                     state.count_decision(policy, 2);
-                    let mut resp = ProxyError::Limited {
+                    let resp = ProxyError::Limited {
                         retry_after: b.retry_ms.div_ceil(1000).max(1),
                     }
                     .response();
-                    ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b);
+                    ctx.limits = Limits::new(config.headers, policy, b);
                     return Ok(resp);
                 }
                 Err(e) => {
@@ -415,9 +422,9 @@ impl Proxy {
                 }
             }
         }
-        let mut resp = outcome?;
+        let resp = outcome?;
         if let (Some(b), Some(policy)) = (binding, &route.policy) {
-            ratelimit_headers::write(resp.headers_mut(), config.headers, policy, &b);
+            ctx.limits = Limits::new(config.headers, policy, b);
         }
         Ok(resp)
     }

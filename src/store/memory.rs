@@ -18,7 +18,7 @@ use std::sync::Mutex;
 // can compute them); SipHash was the larger part of a lookup.
 type Map = HashMap<Vec<u8>, Group, foldhash::fast::RandomState>;
 
-use super::{Counter, CounterState, Outcome};
+use super::{Counter, CounterState, Outcome, PerCounter};
 use crate::config::Algorithm;
 
 pub struct MemoryStore {
@@ -119,8 +119,8 @@ impl MemoryStore {
     pub fn acquire(&self, counters: &[Counter], cost: u64, charge: bool, now: u64) -> Outcome {
         let mut inner = self.lock();
         let inner = &mut *inner;
-        let mut states = Vec::with_capacity(counters.len());
-        let mut marks = vec![0; counters.len()];
+        let mut states = PerCounter::with_capacity(counters.len());
+        let mut marks: PerCounter<u64> = smallvec::smallvec![0; counters.len()];
         let mut allowed = true;
         // The counters charged so far: always the first ones.
         let mut charged = 0;

@@ -75,9 +75,9 @@ pub struct Outcome {
     /// the reference for `reset_ms`.
     pub now_ms: u64,
     /// One per counter, in order.
-    pub states: Vec<CounterState>,
+    pub states: PerCounter<CounterState>,
     /// One per counter: which bucket was charged, so a refund hits the same one.
-    pub marks: Vec<u64>,
+    pub marks: PerCounter<u64>,
 }
 
 /// Why a store call failed.

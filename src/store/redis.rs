@@ -31,7 +31,7 @@ use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use super::pipe::{Command, Pipe, Reply, Target};
-use super::{Counter, CounterState, Memo, Outcome, StoreError};
+use super::{Counter, CounterState, Memo, Outcome, PerCounter, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
 static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
@@ -329,9 +329,9 @@ impl RedisStore {
                     retry_ms: 0,
                 })
                 .collect(),
-            marks: vec![0; counters.len()],
+            marks: smallvec::smallvec![0; counters.len()],
         };
-        let mut charged: Vec<(Vec<Counter>, Vec<u64>)> = Vec::new();
+        let mut charged: Vec<(Vec<Counter>, PerCounter<u64>)> = Vec::new();
         for group in groups {
             let part: Vec<Counter> = group.iter().map(|&i| counters[i].clone()).collect();
             let o = match self
@@ -369,7 +369,7 @@ impl RedisStore {
     /// deadline.
     async fn give_back(
         &self,
-        charged: Vec<(Vec<Counter>, Vec<u64>)>,
+        charged: Vec<(Vec<Counter>, PerCounter<u64>)>,
         cost: u64,
         now_ms: u64,
         deadline: Instant,
@@ -649,8 +649,8 @@ fn parse_outcome(reply: &[u8], count: usize) -> Option<Outcome> {
         // `as` saturates: a negative or NaN value reads as 0.
         Some(f64::from_be_bytes(bytes) as u64)
     };
-    let mut states = Vec::with_capacity(count);
-    let mut marks = Vec::with_capacity(count);
+    let mut states = PerCounter::with_capacity(count);
+    let mut marks = PerCounter::with_capacity(count);
     for i in 0..count {
         let at = 9 + 24 * i;
         states.push(CounterState {
@@ -746,7 +746,7 @@ mod tests {
                 retry_ms: 0
             }
         );
-        assert_eq!(o.marks, vec![30]);
+        assert_eq!(o.marks[..], [30]);
         // An answer of the wrong length (another script, a cut reply) is refused.
         assert!(parse_outcome(&reply, 2).is_none());
         assert!(parse_outcome(&reply[..20], 1).is_none());
@@ -761,6 +761,6 @@ mod tests {
         assert!(!o.allowed);
         assert_eq!(o.states[0].remaining, 0);
         assert_eq!(o.states[0].retry_ms, 1500);
-        assert_eq!(o.marks, vec![30]);
+        assert_eq!(o.marks[..], [30]);
     }
 }

@@ -116,6 +116,22 @@ async fn upstream_answer(
         r.headers_mut().insert("x-upstream", "yes".parse().unwrap());
         return Ok(r);
     }
+    if path == "/claims" {
+        // An upstream that counts on its own: the proxy's fields must win.
+        let mut r = full(StatusCode::OK, "claims".into());
+        for (name, value) in [
+            ("x-ratelimit-limit", "7"),
+            ("x-ratelimit-remaining", "99"),
+            ("x-ratelimit-remaining", "98"),
+            ("x-ratelimit-reset", "1"),
+            ("ratelimit-policy", "\"up\";q=7;w=1"),
+            ("ratelimit", "\"up\";r=99;t=1"),
+            ("x-ratelimit-scope", "upstream"),
+        ] {
+            r.headers_mut().append(name, value.parse().unwrap());
+        }
+        return Ok(r);
+    }
     if let Some(ms) = path.strip_prefix("/slow/") {
         tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(0))).await;
         return Ok(full(StatusCode::OK, "slow".into()));
