@@ -590,6 +590,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         }
     }
     Some(Policy {
+        ietf: IetfTexts::new(name, &limits),
         name: name.into(),
         charge,
         refund,

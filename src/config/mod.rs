@@ -247,6 +247,68 @@ pub struct Policy {
     /// The distinct key specs of its limits, in order of first use: a request
     /// has one identity for each.
     pub specs: Vec<KeySpec>,
+    /// The IETF rate-limit headers' texts, made once.
+    pub ietf: IetfTexts,
+}
+
+/// What the IETF rate-limit headers (`RateLimit-Policy`, `RateLimit`) say
+/// of a policy that does not change from one answer to the next. Made per
+/// answer, they cost as much as the rest of a request.
+#[derive(Debug)]
+pub struct IetfTexts {
+    /// Each limit's name as a structured-field string: `"policy-window"`
+    /// (`"standard-1m"`), with `-INDEX` when two limits share a window.
+    pub names: Vec<String>,
+    /// For each limit, the `RateLimit-Policy` value that lists it first (on a
+    /// 429 the binding limit is the one that denied), then the others:
+    /// `"name";q=LIMIT;w=WINDOW_SECONDS, ...`.
+    pub lists: Vec<String>,
+}
+
+impl IetfTexts {
+    fn new(policy: &str, limits: &[Limit]) -> IetfTexts {
+        let names: Vec<String> = (0..limits.len())
+            .map(|i| item_name(policy, limits, i))
+            .collect();
+        let item = |i: usize| {
+            let l = &limits[i];
+            format!(
+                "{};q={};w={}",
+                names[i],
+                l.limit,
+                (l.window.as_millis() as u64).div_ceil(1000)
+            )
+        };
+        let lists = (0..limits.len())
+            .map(|first| {
+                std::iter::once(first)
+                    .chain((0..limits.len()).filter(|&i| i != first))
+                    .map(item)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .collect();
+        IetfTexts { names, lists }
+    }
+}
+
+/// A structured-field string naming limit `i` of a policy.
+fn item_name(policy: &str, limits: &[Limit], i: usize) -> String {
+    let window = limits[i].window;
+    let mut name = format!("{policy}-{}", duration::format(window));
+    if limits.iter().filter(|o| o.window == window).count() > 1 {
+        name += &format!("-{i}");
+    }
+    // sf-string allows printable ASCII; escape quotes and backslashes.
+    let escaped: String = name
+        .chars()
+        .filter(|c| (' '..='~').contains(c))
+        .flat_map(|c| match c {
+            '"' | '\\' => vec!['\\', c],
+            c => vec![c],
+        })
+        .collect();
+    format!("\"{escaped}\"")
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -384,5 +446,35 @@ pub fn redact(url: &str) -> String {
             format!("{}://***@{}", &url[..scheme_end], &url[at + 1..])
         }
         _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ietf_texts_name_each_limit_and_list_each_first() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.'a"b']
+limits = [
+  { limit = 5, window = "1m" },
+  { limit = 7, window = "1m", key = "header:X-Key" },
+  { limit = 100, window = "1h" },
+]
+"#;
+        let config = parse(text, "test.toml", Path::new(".")).expect("valid");
+        let ietf = &config.policies[0].ietf;
+        assert_eq!(
+            ietf.names,
+            [r#""a\"b-1m-0""#, r#""a\"b-1m-1""#, r#""a\"b-1h""#]
+        );
+        assert_eq!(
+            ietf.lists[1],
+            r#""a\"b-1m-1";q=7;w=60, "a\"b-1m-0";q=5;w=60, "a\"b-1h";q=100;w=3600"#
+        );
+        assert!(ietf.lists[2].starts_with(r#""a\"b-1h";q=100;w=3600, "a\"b-1m-0""#));
     }
 }

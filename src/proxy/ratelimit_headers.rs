@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue};
+use smallvec::SmallVec;
 
 use crate::config::{HeaderStyle, Policy};
 use crate::limiter::Binding;
@@ -72,70 +73,32 @@ impl Limits {
             field(&RESET, digits.format(b.reset_ms.div_ceil(1000)).as_bytes());
         }
         if self.ietf() {
-            let policy = &*self.policy;
-            let name = |i: usize| item_name(policy, i);
-            // The binding limit first: on a 429 it is the one that denied.
-            let mut items = vec![b.index];
-            items.extend((0..policy.limits.len()).filter(|&i| i != b.index));
-            let list: Vec<String> = items
-                .iter()
-                .map(|&i| {
-                    let l = &policy.limits[i];
-                    format!(
-                        "{};q={};w={}",
-                        name(i),
-                        l.limit,
-                        (l.window.as_millis() as u64).div_ceil(1000)
-                    )
-                })
-                .collect();
-            field(&POLICY, list.join(", ").as_bytes());
+            let texts = &self.policy.ietf;
+            field(&POLICY, texts.lists[b.index].as_bytes());
             let t = b.reset_in_ms.div_ceil(1000);
             let t = if b.retry_ms > 0 {
                 t.max(b.retry_ms.div_ceil(1000)).max(1)
             } else {
                 t
             };
-            let value = format!("{};r={};t={}", name(b.index), b.remaining, t);
-            field(&RATELIMIT, value.as_bytes());
+            let mut value: SmallVec<[u8; 128]> = SmallVec::new();
+            let mut digits = itoa::Buffer::new();
+            value.extend_from_slice(texts.names[b.index].as_bytes());
+            value.extend_from_slice(b";r=");
+            value.extend_from_slice(digits.format(b.remaining).as_bytes());
+            value.extend_from_slice(b";t=");
+            value.extend_from_slice(digits.format(t).as_bytes());
+            field(&RATELIMIT, &value);
         }
     }
 
     /// Puts the fields in `headers`, in place of any of the same names.
     pub fn insert(&self, headers: &mut HeaderMap) {
         self.each(|name, value| {
-            // Digits and printable ASCII (see `item_name`): always valid.
+            // Digits and printable ASCII (see `IetfTexts`): always valid.
             if let Ok(value) = HeaderValue::from_bytes(value) {
                 headers.insert(name.clone(), value);
             }
         });
     }
-}
-/// A structured-field string naming one limit: `"policy-window"`, e.g. `"standard-1m"`.
-fn item_name(policy: &Policy, i: usize) -> String {
-    let l = &policy.limits[i];
-    let mut name = format!(
-        "{}-{}",
-        policy.name,
-        crate::config::duration::format(l.window)
-    );
-    if policy
-        .limits
-        .iter()
-        .filter(|o| o.window == l.window)
-        .count()
-        > 1
-    {
-        name += &format!("-{i}");
-    }
-    // sf-string allows printable ASCII; escape quotes and backslashes.
-    let escaped: String = name
-        .chars()
-        .filter(|c| (' '..='~').contains(c))
-        .flat_map(|c| match c {
-            '"' | '\\' => vec!['\\', c],
-            c => vec![c],
-        })
-        .collect();
-    format!("\"{escaped}\"")
 }
