@@ -37,6 +37,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use bytes::{Buf, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::Either;
 use hyper::body::Body as _;
 use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -270,6 +271,10 @@ async fn write_response(
     keep: bool,
 ) -> io::Result<bool> {
     let (parts, mut body) = resp.into_parts();
+    let fields = match &mut body {
+        Either::Left(body) => body.take_fields(),
+        Either::Right(_) => None,
+    };
     let status = parts.status;
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
@@ -280,23 +285,30 @@ async fn write_response(
     let mut length = None;
     let mut dated = false;
     let mut said_close = false;
-    for (name, value) in parts.headers.iter() {
-        if name == header::CONTENT_LENGTH {
+    // The upstream's fields as read, or the answer's map: names in any case.
+    let mut field = |name: &[u8], value: &[u8]| {
+        if name.eq_ignore_ascii_case(b"content-length") {
             length = Some(
-                std::str::from_utf8(value.as_bytes())
+                std::str::from_utf8(value)
                     .ok()
                     .and_then(|v| v.parse::<u64>().ok()),
             );
-        } else if name == header::DATE {
+        } else if name.eq_ignore_ascii_case(b"date") {
             dated = true;
-        } else if name == header::CONNECTION {
+        } else if name.eq_ignore_ascii_case(b"connection") {
             // Sluice's own answers to a broken request end the connection.
-            said_close |= value.as_bytes().eq_ignore_ascii_case(b"close");
+            said_close |= value.eq_ignore_ascii_case(b"close");
         } else if limits.is_some_and(|l| l.writes(name)) {
             // The upstream's own count gives way to the proxy's.
-            continue;
+            return;
         }
-        line(out, name.as_str().as_bytes(), value.as_bytes());
+        line(out, name, value);
+    };
+    for (name, value) in fields.iter().flat_map(|f| f.iter()) {
+        field(name, value);
+    }
+    for (name, value) in parts.headers.iter() {
+        field(name.as_str().as_bytes(), value.as_bytes());
     }
     if let Some(limits) = limits {
         limits.each(|name, value| line(out, name.as_str().as_bytes(), value));

@@ -153,9 +153,7 @@ impl Server {
                                 let request = idle.begin();
                                 let mut req = req.map(RequestBody::Stream);
                                 let (mut resp, limits) = proxy.handle(&mut req, peer, &keys).await;
-                                if let Some(limits) = limits {
-                                    limits.insert(resp.headers_mut());
-                                }
+                                crate::proxy::into_map(&mut resp, limits);
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })

@@ -282,3 +282,49 @@ async fn the_upstreams_word_on_keeping_its_connection_is_followed() {
         assert_eq!(up.counts(), (conns, 2), "{head}");
     }
 }
+
+#[tokio::test]
+async fn an_answers_fields_pass_as_sent_whatever_their_case() {
+    let answer: &[u8] = b"HTTP/1.1 200 OK\r\nServer: scripted\r\nX-RateLimit-Remaining: 99\r\n\
+        Connection: Keep-Alive\r\nKeep-Alive: timeout=5\r\nX-Two: a\r\nx-two: b\r\n\
+        Content-Length: 2\r\n\r\nok";
+    let up = Scripted::start(vec![(answer, false); 4]).await;
+    let config = format!(
+        "[policies.p]\nlimits = [{{ limit = 10, window = \"1m\" }}]\n{}policy = \"p\"\n",
+        proxy_to(&up.url)
+    );
+    let s = Sluice::start(&config).await;
+    // HTTP/1.1 (sluice writes the fields as they came) twice on one
+    // connection, then HTTP/2 (they go through hyper's header map).
+    let (a, b) = twice(&s, Method::GET).await;
+    let c = send(
+        &h2_client(),
+        Request::get(s.url("/")).body(empty()).unwrap(),
+    )
+    .await;
+    for (r, remaining) in [(&a, "9"), (&b, "8"), (&c, "7")] {
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(&r.body[..], b"ok");
+        assert_eq!(r.header("server"), Some("scripted"));
+        let all = |name: &str| -> Vec<&str> {
+            let values = r.headers.get_all(name).iter();
+            values.map(|v| v.to_str().unwrap()).collect()
+        };
+        assert_eq!(all("x-ratelimit-remaining"), [remaining]);
+        assert_eq!(all("x-two"), ["a", "b"]);
+        assert!(all("keep-alive").is_empty());
+        assert_eq!(all("content-length"), ["2"]);
+    }
+    // The names keep the upstream's case; the hop-by-hop fields are gone.
+    let text = raw(
+        s.addr,
+        b"GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(text.contains("\r\nServer: scripted\r\n"), "{text}");
+    assert!(text.contains("\r\nX-Two: a\r\nx-two: b\r\n"), "{text}");
+    assert!(!text.to_ascii_lowercase().contains("keep-alive"), "{text}");
+    assert!(text.ends_with("\r\n\r\nok"), "{text}");
+    // One upstream connection served all four.
+    assert_eq!(up.counts(), (1, 4));
+}

@@ -51,9 +51,13 @@ fn hop_index(name: &str) -> Option<usize> {
 /// a hop-by-hop one (comparing each with all eight cost about 700
 /// instructions a proxied request).
 fn hop_position(name: &HeaderName) -> Option<usize> {
-    let name = name.as_str();
+    hop_position_of(name.as_str().as_bytes())
+}
+
+/// [`hop_position`] of a name as read, in any case.
+fn hop_position_of(name: &[u8]) -> Option<usize> {
     let i = match name.len() {
-        10 if name == "connection" => 0,
+        10 if name.eq_ignore_ascii_case(b"connection") => 0,
         10 => 1,
         16 => 2,
         18 => 3,
@@ -63,8 +67,11 @@ fn hop_position(name: &HeaderName) -> Option<usize> {
         7 => 7,
         _ => return None,
     };
-    // Header names are lowercase once parsed.
-    (HOP_BY_HOP[i].as_str() == name).then_some(i)
+    HOP_BY_HOP[i]
+        .as_str()
+        .as_bytes()
+        .eq_ignore_ascii_case(name)
+        .then_some(i)
 }
 
 /// Removes hop-by-hop headers, including those `Connection` names.
@@ -111,15 +118,15 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
 }
 
 /// `Connection: keep-alive` or `close`, the usual values, name no field.
-fn names_none(connection: &[u8]) -> bool {
+pub(super) fn names_none(connection: &[u8]) -> bool {
     connection.eq_ignore_ascii_case(b"keep-alive") || connection.eq_ignore_ascii_case(b"close")
 }
 
 /// Whether a field read from an upstream need not be kept at all: it is
 /// hop-by-hop, and names no other field that [`strip_hop_by_hop`] would
-/// have to remove with it.
-pub(super) fn lone_hop(name: &HeaderName, value: &[u8]) -> bool {
-    match hop_position(name) {
+/// have to remove with it. `name` as read, in any case.
+pub(super) fn lone_hop(name: &[u8], value: &[u8]) -> bool {
+    match hop_position_of(name) {
         None => false,
         Some(0) => names_none(value),
         Some(_) => true,

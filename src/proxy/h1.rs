@@ -18,7 +18,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode, Version};
 use hyper::body::{Frame, SizeHint};
 use smallvec::SmallVec;
@@ -90,7 +90,7 @@ pub async fn send(
         .await
         .map_err(H1Error::NotSent)?;
     loop {
-        if let Some((resp, said)) = parse_head(&mut conn.buf)? {
+        if let Some((resp, said, fields)) = parse_head(&mut conn.buf)? {
             let status = resp.status();
             if status.is_informational() {
                 if status == StatusCode::SWITCHING_PROTOCOLS {
@@ -101,7 +101,12 @@ pub async fn send(
                 continue;
             }
             let (framing, keep) = framing(head_only, status, &said)?;
-            return Ok((resp, Reader { framing, keep }));
+            let reader = Reader {
+                framing,
+                keep,
+                fields,
+            };
+            return Ok((resp, reader));
         }
         let had = !conn.buf.is_empty();
         if conn.buf.len() >= MAX_HEAD {
@@ -128,8 +133,13 @@ fn is_reset(e: &io::Error) -> bool {
 }
 
 /// One answer head from the front of `buf`, taken out of it, with what it
-/// says about its framing; `None` if the head is not all there yet.
-fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Said)>, H1Error> {
+/// says about its framing; `None` if the head is not all there yet. Its
+/// fields come as read ([`Fields`]), or in the answer's map when they must
+/// be edited.
+#[allow(clippy::type_complexity)]
+fn parse_head(
+    buf: &mut BytesMut,
+) -> Result<Option<(Response<()>, Said, Option<Box<Fields>>)>, H1Error> {
     if buf.is_empty() {
         return Ok(None);
     }
@@ -152,33 +162,29 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Said)>, H1Erro
     } else {
         Version::HTTP_11
     };
-    // The values stay where they were read: as slices of the head, not copies.
+    // The fields stay where they were read: spans of the head, not copies.
     let start = buf.as_ptr() as usize;
-    let mut fields: SmallVec<[(HeaderName, usize, usize); 16]> = SmallVec::new();
-    for h in parsed.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| H1Error::Framing("a header name that is not a token"))?;
-        let at = h.value.as_ptr() as usize - start;
-        fields.push((name, at, at + h.value.len()));
-    }
-    let head = buf.split_to(len).freeze();
-    // Room for the rate-limit headers the proxy adds (three at most, see
-    // `ratelimit_headers`): a map that grows is rehashed and moved.
-    let mut headers = HeaderMap::with_capacity(fields.len() + 3);
-    // What framing and keep-alive depend on, noted on the way: looking the
-    // names up in the map afterwards would hash each of them again.
+    // What framing and keep-alive depend on, noted on the way.
     let mut said = Said::default();
-    for (name, from, to) in fields {
-        let value = HeaderValue::from_maybe_shared(head.slice(from..to))
-            .map_err(|_| H1Error::Framing("a header value with a control character"))?;
-        said.note(&name, value.as_bytes());
+    let mut spans: SmallVec<[[u32; 4]; 12]> = SmallVec::new();
+    for h in parsed.headers.iter() {
+        let (name, value) = (h.name.as_bytes(), h.value);
+        said.note(name, value);
         // The connection's fields (`Connection: keep-alive`...) say what
-        // they say to `said`, and are not the answer's: kept, they would
-        // only be removed again (`strip_hop_by_hop`).
-        if !super::forward::lone_hop(&name, value.as_bytes()) {
-            headers.append(name, value);
+        // they say to `said`, and are not the answer's.
+        if !super::forward::lone_hop(name, value) {
+            let (n, v) = (
+                name.as_ptr() as usize - start,
+                value.as_ptr() as usize - start,
+            );
+            // Within the head, which is at most MAX_HEAD (64 KiB) long.
+            spans.push([n, n + name.len(), v, v + value.len()].map(|at| at as u32));
         }
     }
+    let fields = Fields {
+        head: buf.split_to(len).freeze(),
+        spans,
+    };
     said.keep = match version {
         Version::HTTP_10 => said.keep_alive,
         _ => !said.close,
@@ -186,8 +192,50 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<(Response<()>, Said)>, H1Erro
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     *resp.version_mut() = version;
+    if !said.names_others {
+        return Ok(Some((resp, said, Some(Box::new(fields)))));
+    }
+    // A `Connection` that names other fields (rare): they go too, by way of
+    // the map and `strip_hop_by_hop`. Room for the rate-limit headers.
+    let mut headers = HeaderMap::with_capacity(fields.spans.len() + 3);
+    fields.append_to(&mut headers);
     *resp.headers_mut() = headers;
-    Ok(Some((resp, said)))
+    Ok(Some((resp, said, None)))
+}
+
+/// An answer's header fields as the upstream sent them, in order, but for
+/// the hop-by-hop ones: spans of its head, not a header map. A map (each
+/// name parsed and hashed, each value checked and counted) that was then
+/// walked again to write the answer cost about 2,000 instructions a request.
+/// httparse has checked every field already, by the rules `HeaderName` and
+/// `HeaderValue` apply: names are tokens, values hold no control character
+/// but tab. Names keep the upstream's case (they are case-insensitive).
+pub struct Fields {
+    head: Bytes,
+    /// Name from, to; value from, to.
+    spans: SmallVec<[[u32; 4]; 12]>,
+}
+
+impl Fields {
+    /// Each field as its name and its value.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.spans.iter().map(|&[n, m, v, w]| {
+            let (n, m, v, w) = (n as usize, m as usize, v as usize, w as usize);
+            (&self.head[n..m], &self.head[v..w])
+        })
+    }
+
+    /// Adds the fields to `headers`, for hyper's server.
+    pub fn append_to(&self, headers: &mut HeaderMap) {
+        for &[n, m, v, w] in &self.spans {
+            let name = HeaderName::from_bytes(&self.head[n as usize..m as usize]);
+            let value = HeaderValue::from_maybe_shared(self.head.slice(v as usize..w as usize));
+            // Both were checked as they were read: neither can fail.
+            if let (Ok(name), Ok(value)) = (name, value) {
+                headers.append(name, value);
+            }
+        }
+    }
 }
 
 /// What an answer's head says about its body's framing and its connection.
@@ -198,6 +246,8 @@ struct Said {
     keep_alive: bool,
     /// Whether the connection may be kept, by version and `Connection`.
     keep: bool,
+    /// A `Connection` that names fields besides itself.
+    names_others: bool,
     /// The `Content-Length`: every copy and every item of a list must be
     /// the same number, in digits alone.
     length: Result<Option<u64>, &'static str>,
@@ -211,6 +261,7 @@ impl Default for Said {
             close: false,
             keep_alive: false,
             keep: true,
+            names_others: false,
             length: Ok(None),
             chunked: None,
         }
@@ -218,17 +269,19 @@ impl Default for Said {
 }
 
 impl Said {
-    fn note(&mut self, name: &HeaderName, value: &[u8]) {
+    /// `name` as read, in any case.
+    fn note(&mut self, name: &[u8], value: &[u8]) {
         let tokens = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
-        if name == header::CONNECTION {
+        if name.eq_ignore_ascii_case(b"connection") {
             for t in tokens() {
                 self.close |= t.eq_ignore_ascii_case(b"close");
                 self.keep_alive |= t.eq_ignore_ascii_case(b"keep-alive");
             }
-        } else if name == header::TRANSFER_ENCODING {
+            self.names_others |= !super::forward::names_none(value);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             let last = tokens().next_back().unwrap_or_default();
             self.chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
-        } else if name == header::CONTENT_LENGTH {
+        } else if name.eq_ignore_ascii_case(b"content-length") {
             for item in tokens() {
                 if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
                     self.length = Err("a Content-Length that is not a number");
@@ -293,9 +346,16 @@ enum Chunk {
 pub struct Reader {
     framing: Framing,
     keep: bool,
+    /// The answer's fields, until the answer is written.
+    fields: Option<Box<Fields>>,
 }
 
 impl Reader {
+    /// The answer's fields as read, if its head did not go to its map.
+    pub fn take_fields(&mut self) -> Option<Box<Fields>> {
+        self.fields.take()
+    }
+
     pub fn is_end(&self) -> bool {
         matches!(self.framing, Framing::Done | Framing::Length(0))
     }
@@ -453,11 +513,12 @@ fn fill(conn: &mut Conn, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::header;
 
     fn said(fields: &[(HeaderName, &str)]) -> Said {
         let mut said = Said::default();
         for (name, value) in fields {
-            said.note(name, value.as_bytes());
+            said.note(name.as_str().as_bytes(), value.as_bytes());
         }
         said
     }

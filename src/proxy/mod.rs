@@ -540,6 +540,20 @@ impl Proxy {
     }
 }
 
+/// Puts what travels beside an answer into its header map, for hyper's
+/// server: the upstream's fields as the own client read them, then the
+/// rate-limit fields (which replace the upstream's of the same names).
+pub fn into_map(resp: &mut Response<Body>, limits: Option<Limits>) {
+    if let Either::Left(body) = resp.body_mut()
+        && let Some(fields) = body.take_fields()
+    {
+        fields.append_to(resp.headers_mut());
+    }
+    if let Some(limits) = limits {
+        limits.insert(resp.headers_mut());
+    }
+}
+
 /// An error and its causes, `a: b: c`: "client error (Connect)" alone does
 /// not tell a refused connection from an untrusted certificate.
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

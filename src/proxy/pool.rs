@@ -364,6 +364,15 @@ enum Read {
 }
 
 impl PooledBody {
+    /// The answer's fields as the own client read them (see [`h1::Fields`]);
+    /// `None` when they are in the answer's map.
+    pub fn take_fields(&mut self) -> Option<Box<h1::Fields>> {
+        match &mut self.0 {
+            Read::Own { reader, .. } => reader.take_fields(),
+            Read::Hyper { .. } => None,
+        }
+    }
+
     fn hyper(inner: Incoming, back: Option<Back<SendRequest<RequestBody>>>) -> PooledBody {
         let end = inner.is_end_stream();
         let mut body = PooledBody(Read::Hyper { inner, back });

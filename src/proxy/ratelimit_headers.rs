@@ -56,11 +56,12 @@ impl Limits {
         matches!(self.style, HeaderStyle::Ietf | HeaderStyle::Both)
     }
 
-    /// Whether `name` is one of the fields these limits write: the
-    /// upstream's field of that name is left out.
-    pub fn writes(&self, name: &HeaderName) -> bool {
-        (self.x_ratelimit() && (name == LIMIT || name == REMAINING || name == RESET))
-            || (self.ietf() && (name == POLICY || name == RATELIMIT))
+    /// Whether `name` (in any case) is one of the fields these limits
+    /// write: the upstream's field of that name is left out.
+    pub fn writes(&self, name: &[u8]) -> bool {
+        let is = |ours: &HeaderName| ours.as_str().as_bytes().eq_ignore_ascii_case(name);
+        (self.x_ratelimit() && (is(&LIMIT) || is(&REMAINING) || is(&RESET)))
+            || (self.ietf() && (is(&POLICY) || is(&RATELIMIT)))
     }
 
     /// Each field, in order, as its name and its value.
