@@ -58,7 +58,6 @@ impl Router {
     /// The route for a request, if any. `host` is the request's host, with or
     /// without a port, in any case; `path` as the client sent it.
     pub fn find(&self, method: &Method, host: Option<&str>, path: &str) -> Option<&Route> {
-        let host = host.map(strip_port);
         let path = normalize(path);
         let path = path.as_ref();
         self.routes.iter().find(|r| {
@@ -70,7 +69,10 @@ impl Router {
                 && r.methods.as_ref().is_none_or(|m| m.contains(method))
                 && r.host
                     .as_deref()
-                    .is_none_or(|want| host.is_some_and(|h| h.eq_ignore_ascii_case(want)))
+                    // The port is cut off only for a route that names a host.
+                    .is_none_or(|want| {
+                        host.is_some_and(|h| strip_port(h).eq_ignore_ascii_case(want))
+                    })
         })
     }
 }
@@ -164,7 +166,7 @@ fn decode_unreserved(path: &[u8]) -> String {
 
 /// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.
 fn strip_port(host: &str) -> &str {
-    match host.rfind(':') {
+    match host.bytes().rposition(|b| b == b':') {
         Some(i) if !host[i..].contains(']') => &host[..i],
         _ => host,
     }
