@@ -177,7 +177,7 @@ fn parse_head(
                 name.as_ptr() as usize - start,
                 value.as_ptr() as usize - start,
             );
-            // Within the head, which is at most MAX_HEAD (64 KiB) long.
+            // A head is at most MAX_HEAD and one read long: u32 holds it.
             spans.push([n, n + name.len(), v, v + value.len()].map(|at| at as u32));
         }
     }
@@ -196,7 +196,8 @@ fn parse_head(
         return Ok(Some((resp, said, Some(Box::new(fields)))));
     }
     // A `Connection` that names other fields (rare): they go too, by way of
-    // the map and `strip_hop_by_hop`. Room for the rate-limit headers.
+    // the map and `strip_hop_by_hop`. Room for the rate-limit headers, which
+    // hyper's server gets in the map.
     let mut headers = HeaderMap::with_capacity(fields.spans.len() + 3);
     fields.append_to(&mut headers);
     *resp.headers_mut() = headers;
