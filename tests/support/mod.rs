@@ -295,6 +295,12 @@ impl Reply {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
+    /// Every value of header `name`, in order.
+    pub fn all(&self, name: &str) -> Vec<&str> {
+        let values = self.headers.get_all(name).iter();
+        values.map(|v| v.to_str().unwrap()).collect()
+    }
+
     pub fn header_u64(&self, name: &str) -> u64 {
         self.header(name)
             .unwrap_or_else(|| panic!("no {name} header"))
