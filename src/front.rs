@@ -44,6 +44,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use crate::ascii::eq_lower;
 use crate::idle::Idle;
 use crate::limiter::KeyCache;
 use crate::proxy::{Body, Limits, Proxy, RequestBody};
@@ -287,17 +288,17 @@ async fn write_response(
     let mut said_close = false;
     // The upstream's fields as read, or the answer's map: names in any case.
     let mut field = |name: &[u8], value: &[u8]| {
-        if name.eq_ignore_ascii_case(b"content-length") {
+        if eq_lower(name, b"content-length") {
             length = Some(
                 std::str::from_utf8(value)
                     .ok()
                     .and_then(|v| v.parse::<u64>().ok()),
             );
-        } else if name.eq_ignore_ascii_case(b"date") {
+        } else if eq_lower(name, b"date") {
             dated = true;
-        } else if name.eq_ignore_ascii_case(b"connection") {
+        } else if eq_lower(name, b"connection") {
             // Sluice's own answers to a broken request end the connection.
-            said_close |= value.eq_ignore_ascii_case(b"close");
+            said_close |= eq_lower(value, b"close");
         } else if limits.is_some_and(|l| l.writes(name)) {
             // The upstream's own count gives way to the proxy's.
             return;

@@ -19,9 +19,11 @@
 //! - [`config`]: the TOML file, checked, with `file:line` errors.
 //! - [`tls`]: rustls settings for TLS termination and https upstreams.
 //! - [`clock`]: unix milliseconds, movable in tests.
+//! - [`ascii`]: field names compared without case, a word at a time.
 //! - [`admin`], [`metrics`]: `/healthz`, `/readyz`, `/metrics` on `admin_listen`.
 
 pub mod admin;
+pub mod ascii;
 pub mod clock;
 pub mod coalesce;
 pub mod config;

@@ -16,6 +16,7 @@ use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
 use smallvec::SmallVec;
 
+use crate::ascii::eq_lower;
 use crate::config::{Upstream, UpstreamServer};
 use crate::front::line;
 use crate::proxy::RequestBody;
@@ -57,7 +58,7 @@ fn hop_position(name: &HeaderName) -> Option<usize> {
 /// [`hop_position`] of a name as read, in any case.
 fn hop_position_of(name: &[u8]) -> Option<usize> {
     let i = match name.len() {
-        10 if name.eq_ignore_ascii_case(b"connection") => 0,
+        10 if eq_lower(name, b"connection") => return Some(0),
         10 => 1,
         16 => 2,
         18 => 3,
@@ -67,11 +68,7 @@ fn hop_position_of(name: &[u8]) -> Option<usize> {
         7 => 7,
         _ => return None,
     };
-    HOP_BY_HOP[i]
-        .as_str()
-        .as_bytes()
-        .eq_ignore_ascii_case(name)
-        .then_some(i)
+    eq_lower(name, HOP_BY_HOP[i].as_str().as_bytes()).then_some(i)
 }
 
 /// Removes hop-by-hop headers, including those `Connection` names.
@@ -119,7 +116,7 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
 
 /// `Connection: keep-alive` or `close`, the usual values, name no field.
 pub(super) fn names_none(connection: &[u8]) -> bool {
-    connection.eq_ignore_ascii_case(b"keep-alive") || connection.eq_ignore_ascii_case(b"close")
+    eq_lower(connection, b"keep-alive") || eq_lower(connection, b"close")
 }
 
 /// Whether a field read from an upstream need not be kept at all: it is

@@ -25,6 +25,8 @@ use smallvec::SmallVec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::ascii::eq_lower;
+
 /// The most header fields an answer head (or its trailers) may have.
 const MAX_HEADERS: usize = 100;
 /// The longest answer head, trailer section or chunk-size line read.
@@ -273,16 +275,16 @@ impl Said {
     /// `name` as read, in any case.
     fn note(&mut self, name: &[u8], value: &[u8]) {
         let tokens = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
-        if name.eq_ignore_ascii_case(b"connection") {
+        if eq_lower(name, b"connection") {
             for t in tokens() {
-                self.close |= t.eq_ignore_ascii_case(b"close");
-                self.keep_alive |= t.eq_ignore_ascii_case(b"keep-alive");
+                self.close |= eq_lower(t, b"close");
+                self.keep_alive |= eq_lower(t, b"keep-alive");
             }
             self.names_others |= !super::forward::names_none(value);
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        } else if eq_lower(name, b"transfer-encoding") {
             let last = tokens().next_back().unwrap_or_default();
-            self.chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
-        } else if name.eq_ignore_ascii_case(b"content-length") {
+            self.chunked = Some(eq_lower(last, b"chunked"));
+        } else if eq_lower(name, b"content-length") {
             for item in tokens() {
                 if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
                     self.length = Err("a Content-Length that is not a number");

@@ -22,6 +22,7 @@ use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue};
 use smallvec::SmallVec;
 
+use crate::ascii::eq_lower;
 use crate::config::{HeaderStyle, Policy};
 use crate::limiter::Binding;
 
@@ -59,7 +60,7 @@ impl Limits {
     /// Whether `name` (in any case) is one of the fields these limits
     /// write: the upstream's field of that name is left out.
     pub fn writes(&self, name: &[u8]) -> bool {
-        let is = |ours: &HeaderName| ours.as_str().as_bytes().eq_ignore_ascii_case(name);
+        let is = |ours: &HeaderName| eq_lower(name, ours.as_str().as_bytes());
         (self.x_ratelimit() && (is(&LIMIT) || is(&REMAINING) || is(&RESET)))
             || (self.ietf() && (is(&POLICY) || is(&RATELIMIT)))
     }
