@@ -29,12 +29,12 @@ use std::future::poll_fn;
 use std::io;
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::Either;
@@ -109,10 +109,19 @@ pub async fn serve(
         };
         let head_only = req.method() == Method::HEAD;
         let in_flight = client.idle.clone().begin();
-        let resp = tokio::select! {
-            biased;
-            resp = client.proxy.handle(&mut req, client.peer, client.keys) => resp,
-            () = client_gone(&mut stream, &mut buf) => return Ok(Served::Closed),
+        // The request, or the client gone first. Both futures are polled
+        // where they are pinned (`select!` moved the request's more).
+        let resp = {
+            let mut handling = pin!(client.proxy.handle(&mut req, client.peer, client.keys));
+            let mut gone = pin!(client_gone(&mut stream, &mut buf));
+            poll_fn(|cx| match handling.as_mut().poll(cx) {
+                Poll::Ready(resp) => Poll::Ready(Some(resp)),
+                Poll::Pending => gone.as_mut().poll(cx).map(|()| None),
+            })
+            .await
+        };
+        let Some(resp) = resp else {
+            return Ok(Served::Closed);
         };
         let keep = !close && !signal.has_changed().unwrap_or(true);
         let (resp, limits) = resp;
@@ -202,25 +211,7 @@ fn parse(buf: &mut BytesMut) -> Parsed {
         fields.push((name, at, at + h.value.len()));
     }
     let head = buf.split_to(len).freeze();
-    let built = (|| {
-        let uri = Uri::from_maybe_shared(head.slice(target.0..target.0 + target.1)).ok()?;
-        // Room for the X-Forwarded-* headers the proxy adds: a map that grows
-        // is rehashed and moved.
-        let mut headers = HeaderMap::with_capacity(fields.len() + 3);
-        for (name, from, to) in fields {
-            headers.append(
-                name,
-                HeaderValue::from_maybe_shared(head.slice(from..to)).ok()?,
-            );
-        }
-        let mut req = Request::new(RequestBody::Empty);
-        *req.method_mut() = method;
-        *req.uri_mut() = uri;
-        *req.version_mut() = Version::HTTP_11;
-        *req.headers_mut() = headers;
-        Some(req)
-    })();
-    match built {
+    match build(&head, target, method, &mut fields) {
         Some(req) => Parsed::Request(req, close),
         None => {
             // hyper's to refuse: put the head back where it was.
@@ -231,6 +222,33 @@ fn parse(buf: &mut BytesMut) -> Parsed {
             Parsed::Other
         }
     }
+}
+
+/// The request whose head `head` is: its target at `target` (offset,
+/// length), its fields' values at the offsets in `fields` (drained, not
+/// moved: the list is most of a kilobyte).
+fn build(
+    head: &Bytes,
+    target: (usize, usize),
+    method: Method,
+    fields: &mut SmallVec<[(HeaderName, usize, usize); 16]>,
+) -> Option<Request<RequestBody>> {
+    let uri = Uri::from_maybe_shared(head.slice(target.0..target.0 + target.1)).ok()?;
+    // Room for the X-Forwarded-* headers the proxy adds: a map that grows
+    // is rehashed and moved.
+    let mut headers = HeaderMap::with_capacity(fields.len() + 3);
+    for (name, from, to) in fields.drain(..) {
+        headers.append(
+            name,
+            HeaderValue::from_maybe_shared(head.slice(from..to)).ok()?,
+        );
+    }
+    let mut req = Request::new(RequestBody::Empty);
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = Version::HTTP_11;
+    *req.headers_mut() = headers;
+    Some(req)
 }
 
 /// Resolves when the client closes its side (or its connection fails) while
