@@ -109,8 +109,8 @@ pub async fn serve(
         };
         let head_only = req.method() == Method::HEAD;
         let in_flight = client.idle.clone().begin();
-        // The request, or the client gone first. Both futures are polled
-        // where they are pinned (`select!` moved the request's more).
+        // The request, or the client gone first, each polled where it is
+        // pinned (`select!` made more copies of the request's future).
         let resp = {
             let mut handling = pin!(client.proxy.handle(&mut req, client.peer, client.keys));
             let mut gone = pin!(client_gone(&mut stream, &mut buf));
