@@ -205,7 +205,7 @@ fn parse(buf: &mut BytesMut) -> Parsed {
             close |= h
                 .value
                 .split(|&b| b == b',')
-                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+                .any(|t| eq_lower(t.trim_ascii(), b"close"));
         }
         let at = h.value.as_ptr() as usize - start;
         fields.push((name, at, at + h.value.len()));
