@@ -22,7 +22,7 @@ the proxy process over the run / requests), Redis CPU µs per request
 (redis-server's own CPU), Redis calls per request (INFO commandstats), and each
 figure as a ratio to nginx: the median of the ratios within each round (a round
 runs the setups back to back, so its ratios are spared most of the drift a busy
-machine adds between rounds). Writes bench/results/table.txt and
+machine adds between rounds), and the proxies' CPU split into user and system. Writes bench/results/table.txt and
 bench/results/plot.svg, and ends with the issue's targets, met or not. Everything
 it started is stopped at the end.
 """
@@ -104,10 +104,15 @@ def wait_port(port, timeout=15):
     raise RuntimeError(f"nothing listens on {port}")
 
 
-def cpu_seconds(pid):
+def cpu_split(pid):
+    """(user, system) CPU seconds of a process so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def cpu_seconds(pid):
+    return sum(cpu_split(pid))
 
 
 def children(pid):
@@ -184,12 +189,15 @@ def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None
     if script:
         args += ["-s", script]
     before = sum(cpu_seconds(p) for p in proxy_pids)
+    user_before = sum(cpu_split(p)[0] for p in proxy_pids)
     rbefore = cpu_seconds(redis_pid) if redis_pid else 0
     calls_before = evalsha_calls(redis_port) if redis_port else 0
     out = subprocess.run(args + [url], capture_output=True, text=True, check=True).stdout
     r = parse_wrk(out)
     n = max(r["requests"], 1)
     r["cpu_us"] = (sum(cpu_seconds(p) for p in proxy_pids) - before) * 1e6 / n
+    r["user_us"] = (sum(cpu_split(p)[0] for p in proxy_pids) - user_before) * 1e6 / n
+    r["sys_us"] = r["cpu_us"] - r["user_us"]
     r["redis_us"] = ((cpu_seconds(redis_pid) - rbefore) * 1e6 / n) if redis_pid else 0.0
     r["redis_calls"] = ((evalsha_calls(redis_port) - calls_before) / n) if redis_port else 0.0
     return r
@@ -372,7 +380,7 @@ upstream = "api"
             for s in setups:
                 rs = results[(s, c)]
                 rows.append({"setup": s, "conns": c, **{k: med(rs, k) for k in
-                             ["rps", "p50", "p99", "cpu_us", "redis_us", "redis_calls"]},
+                             ["rps", "p50", "p99", "cpu_us", "user_us", "sys_us", "redis_us", "redis_calls"]},
                              "rps_x": paired(rs, ref, "rps"),
                              "p99_x": paired(rs, ref, "p99"),
                              "cpu_x": paired(rs, ref, "cpu_us"),
@@ -406,6 +414,15 @@ upstream = "api"
                        "noisy: rerun when the machine is quieter before reading a ratio near its target")
             lines.append(f"nginx -c{c}: {min(cpus):.1f}-{max(cpus):.1f} us CPU per request over the rounds "
                          f"(spread {spread * 100:.0f} %, {verdict})")
+        # The kernel's part (the TCP work of four segments a request) is much
+        # the same for every proxy; the user part is the proxy's own code.
+        for c in conns_list:
+            split = ", ".join(f"{s} {row['user_us']:.1f} + {row['sys_us']:.1f}"
+                              for s in ["nginx", "sluice", "sluice-mem", "sluice-redis"]
+                              for row in rows if row["setup"] == s and row["conns"] == c)
+            ux = paired(results[("sluice", c)], results[("nginx", c)], "user_us")
+            lines.append(f"-c{c} CPU us per request, user + system (medians): {split}; "
+                         f"sluice's user CPU {ux:.2f}x nginx's")
         table = "\n".join(lines)
         print("\n" + table)
         os.makedirs(RESULTS, exist_ok=True)
