@@ -22,9 +22,9 @@ the proxy process over the run / requests), Redis CPU µs per request
 (redis-server's own CPU), Redis calls per request (INFO commandstats), and each
 figure as a ratio to nginx: the median of the ratios within each round (a round
 runs the setups back to back, so its ratios are spared most of the drift a busy
-machine adds between rounds), and the proxies' CPU split into user and system. Writes bench/results/table.txt and
-bench/results/plot.svg, and ends with the issue's targets, met or not. Everything
-it started is stopped at the end.
+machine adds between rounds), and the proxies' CPU split into user and system.
+Writes bench/results/table.txt and bench/results/plot.svg, and ends with the
+issue's targets, met or not. Everything it started is stopped at the end.
 """
 import argparse
 import json
