@@ -167,14 +167,3 @@ async fn shutdown_signal() {
         _ = int.recv() => {}
     }
 }
-
-#[cfg(all(test, target_os = "linux"))]
-mod tests {
-    #[test]
-    fn serving_turns_transparent_huge_pages_off() {
-        super::disable_transparent_huge_pages();
-        // SAFETY: PR_GET_THP_DISABLE reads a flag of this process.
-        let disabled = unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) };
-        assert_eq!(disabled, 1);
-    }
-}

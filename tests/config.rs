@@ -140,6 +140,10 @@ fn runs_from_the_command_line_and_exits_0_on_sigterm() {
     };
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
     assert!(reply.ends_with("pong"), "{reply}");
+    // Read while it serves, checked once it is stopped (a failed check
+    // must not leave it running).
+    let proc_status =
+        std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
 
     let kill = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -148,6 +152,16 @@ fn runs_from_the_command_line_and_exits_0_on_sigterm() {
     assert!(kill.success());
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
+    // Serving, it had turned transparent huge pages off for itself.
+    #[cfg(target_os = "linux")]
+    {
+        let thp = proc_status.lines().find(|l| l.starts_with("THP_enabled:"));
+        assert_eq!(
+            thp.map(|l| l.split_whitespace().nth(1)),
+            Some(Some("0")),
+            "{proc_status}"
+        );
+    }
     let mut logs = String::new();
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut logs).unwrap();
     // JSON logs, one access event for the request, without its query.
