@@ -32,7 +32,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
@@ -158,19 +158,44 @@ pub enum UpstreamError {
 /// The client of every upstream that trusts the same CAs.
 #[derive(Clone)]
 pub struct UpstreamClient {
-    tls: tokio_rustls::TlsConnector,
+    /// Made on the first TLS connection when only the system roots are
+    /// trusted: reading them (some 150 PEM certificates) was most of
+    /// sluice's start-up, and plain-HTTP upstreams never use them. With an
+    /// extra CA it is made at once, so that a bad file fails the config.
+    tls: Arc<OnceLock<tokio_rustls::TlsConnector>>,
     pools: Arc<Pools>,
+}
+
+/// A connector for upstreams, trusting the system roots plus `extra_ca`.
+fn tls_connector(
+    extra_ca: Option<&std::path::Path>,
+) -> Result<tokio_rustls::TlsConnector, TlsError> {
+    let mut tls = crate::tls::client_config(extra_ca)?;
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(tls)))
 }
 
 impl UpstreamClient {
     /// A client trusting the system roots, plus `extra_ca` if given.
     pub fn new(extra_ca: Option<&std::path::Path>) -> Result<UpstreamClient, TlsError> {
-        let mut tls = crate::tls::client_config(extra_ca)?;
-        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let tls = Arc::new(OnceLock::new());
+        if extra_ca.is_some() {
+            let _ = tls.set(tls_connector(extra_ca)?);
+        }
         Ok(UpstreamClient {
-            tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
+            tls,
             pools: Arc::default(),
         })
+    }
+
+    /// The TLS connector, made now if it was not yet (see [`UpstreamClient`]).
+    fn tls(&self) -> Result<&tokio_rustls::TlsConnector, TlsError> {
+        if let Some(tls) = self.tls.get() {
+            return Ok(tls);
+        }
+        // Two first connections may both build one; the first stored wins.
+        let made = tls_connector(None)?;
+        Ok(self.tls.get_or_init(|| made))
     }
 
     /// Whether a request for `server` goes the own way ([`request_own`]):
@@ -331,8 +356,8 @@ impl UpstreamClient {
         }
         let name = rustls::pki_types::ServerName::try_from(bare_host(server).to_string())
             .map_err(|e| failed(format!("not a TLS server name: {e}")))?;
-        let stream = self
-            .tls
+        let tls = self.tls().map_err(|e| failed(format!("TLS: {e}")))?;
+        let stream = tls
             .connect(name, tcp)
             .await
             .map_err(|e| failed(format!("TLS: {e}")))?;
