@@ -715,6 +715,48 @@ async fn pipelined_requests_and_connection_close() {
     );
 }
 
+/// Between requests a connection gives its read buffer back, and takes one
+/// again when bytes arrive (`front::read_more`). Heads that arrive in pieces,
+/// on two keep-alive connections taking turns, each get their own answer.
+#[tokio::test]
+async fn heads_in_pieces_on_connections_taking_turns() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Reads until the answer naming `path` is in; returns all that was read.
+    async fn answer(conn: &mut tokio::net::TcpStream, path: &str) -> String {
+        let mut got = Vec::new();
+        let want = format!("\"{path}\"");
+        while !String::from_utf8_lossy(&got).contains(&want) {
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut chunk))
+                .await
+                .expect("an answer in time")
+                .unwrap();
+            assert!(n > 0, "closed before the answer for {path}: {got:?}");
+            got.extend_from_slice(&chunk[..n]);
+        }
+        String::from_utf8(got).unwrap()
+    }
+    let (_up, sluice) = setup().await;
+    let mut a = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    let mut b = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    for round in 0..3 {
+        // A's head starts, then waits while B is served whole.
+        a.write_all(b"GET /a").await.unwrap();
+        b.write_all(format!("GET /b{round} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let out = answer(&mut b, &format!("/b{round}")).await;
+        assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+        assert!(!out.contains("/a"), "{out}");
+        a.write_all(format!("{round} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let out = answer(&mut a, &format!("/a{round}")).await;
+        assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+        assert_eq!(out.matches("HTTP/1.1 ").count(), 1, "{out}");
+    }
+}
+
 /// A head too large for the own server's buffer goes to hyper's with what
 /// was read: either way, one over `max_header_bytes` is a 431 and one under
 /// it is served.
