@@ -190,16 +190,21 @@ def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None
     args = ["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency"]
     if script:
         args += ["-s", script]
-    before = sum(cpu_seconds(p) for p in proxy_pids)
-    user_before = sum(cpu_split(p)[0] for p in proxy_pids)
+    # One reading of each process's (user, system) before and after.
+    def proxies_cpu():
+        splits = [cpu_split(p) for p in proxy_pids]
+        return sum(u for u, _ in splits), sum(s for _, s in splits)
+
+    user_before, sys_before = proxies_cpu()
     rbefore = cpu_seconds(redis_pid) if redis_pid else 0
     calls_before = evalsha_calls(redis_port) if redis_port else 0
     out = subprocess.run(args + [url], capture_output=True, text=True, check=True).stdout
     r = parse_wrk(out)
     n = max(r["requests"], 1)
-    r["cpu_us"] = (sum(cpu_seconds(p) for p in proxy_pids) - before) * 1e6 / n
-    r["user_us"] = (sum(cpu_split(p)[0] for p in proxy_pids) - user_before) * 1e6 / n
-    r["sys_us"] = r["cpu_us"] - r["user_us"]
+    user_after, sys_after = proxies_cpu()
+    r["user_us"] = (user_after - user_before) * 1e6 / n
+    r["sys_us"] = (sys_after - sys_before) * 1e6 / n
+    r["cpu_us"] = r["user_us"] + r["sys_us"]
     r["redis_us"] = ((cpu_seconds(redis_pid) - rbefore) * 1e6 / n) if redis_pid else 0.0
     r["redis_calls"] = ((evalsha_calls(redis_port) - calls_before) / n) if redis_port else 0.0
     return r
