@@ -125,6 +125,17 @@ def children(pid):
         return []
 
 
+def exit_on_signals():
+    """SIGTERM and SIGHUP (a `timeout`, a CI job cancelled, a closed terminal)
+    end the run the way Ctrl-C does: through the `finally` that stops what
+    it started. Python's default for them exits at once and leaves nginx,
+    Redis and the sluices running."""
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
 class Procs:
     """Everything started, stopped at the end whatever happens."""
 
@@ -132,7 +143,9 @@ class Procs:
         self.procs = []
 
     def start(self, args, **kw):
-        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+        kw.setdefault("stdout", subprocess.DEVNULL)
+        kw.setdefault("stderr", subprocess.DEVNULL)
+        p = subprocess.Popen(args, **kw)
         self.procs.append(p)
         return p
 
@@ -274,6 +287,7 @@ def main():
     ap.add_argument("--duration", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="1 round of 4 s, -c50 only")
     args = ap.parse_args()
+    exit_on_signals()
     if args.quick:
         args.rounds, args.duration = 1, 4
     conns_list = [50] if args.quick else [50, 200]
@@ -451,13 +465,15 @@ upstream = "api"
         # Redis memory and CPU per identity for the policy, hour window full.
         identities = "10000" if args.quick else "100000"
         print(f"\n--- Redis cost per identity ({identities} identities; takes a few minutes)", flush=True)
-        cost = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "redis_cost.py"), identities],
-                              capture_output=True, text=True)
-        print(cost.stdout + cost.stderr)
-        summary = targets(rows, extra, cost.stdout)
+        # Stopped with SIGTERM, not killed, if this run is: it has Redis servers to stop.
+        cost = procs.start([sys.executable, os.path.join(ROOT, "bench", "redis_cost.py"), identities],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cost_out = cost.communicate()[0]
+        print(cost_out)
+        summary = targets(rows, extra, cost_out)
         print(summary)
         with open(os.path.join(RESULTS, "table.txt"), "a") as f:
-            f.write("\n" + cost.stdout + "\n" + summary + "\n")
+            f.write("\n" + cost_out + "\n" + summary + "\n")
         print(f"\nwrote bench/results/table.txt, results.json and plot.svg")
     finally:
         procs.stop()

@@ -19,6 +19,7 @@ moves the microseconds.
 import base64
 import hashlib
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -143,18 +144,24 @@ def seed_call(script, pipe, i, ip, now):
 
 
 def main():
+    # Stopped by bench.py (or a user) with SIGTERM: through the `finally`
+    # below, which stops the Redis servers.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     # The reference's cost per call and per identity does not grow with the
     # number of identities (each hash is small), so fewer keep the run short.
     ref_ids = min(IDENTITIES, 10000)
-    ours = Replay(os.path.join(ROOT, "lua", "acquire.lua"), IDENTITIES, sluice_call)
-    ref = Replay(os.path.join(ROOT, "bench", "seed_reference.lua"), ref_ids, seed_call)
+    started = []
     try:
+        ours = Replay(os.path.join(ROOT, "lua", "acquire.lua"), IDENTITIES, sluice_call)
+        started.append(ours)
+        ref = Replay(os.path.join(ROOT, "bench", "seed_reference.lua"), ref_ids, seed_call)
+        started.append(ref)
         measure(ours, ref)
         usec, ref_usec = ours.usec_per_call(), ref.usec_per_call()
         size, ref_size = ours.bytes_per_identity(), ref.bytes_per_identity()
     finally:
-        ours.stop()
-        ref.stop()
+        for replay in started:
+            replay.stop()
     print("identities: %d (seed reference: %d)" % (IDENTITIES, ref_ids))
     print("redis CPU per decision (hour window full): %.2f us = %.2fx the seed reference (%.2f us)"
           % (usec, usec / ref_usec, ref_usec))
