@@ -1,9 +1,10 @@
 //! sluice's own HTTP/1.1 server, for client connections on plain TCP.
 //!
 //! It serves the usual request itself: HTTP/1.1, no body, no upgrade, no
-//! `Expect`, no `TE`. At the first request it does not serve (a body, an
-//! upgrade, `CONNECT`, HTTP/1.0, a head it cannot parse or one larger than
-//! [`MAX_HEAD`]), it hands the connection to hyper's server with every byte
+//! `Expect`, no `TE`. A head that cannot be parsed gets sluice's own `400`
+//! (problem+json, `Connection: close`). At the first request it does not
+//! serve (a body, an upgrade, `CONNECT`, HTTP/1.0, more header lines than it
+//! has room for, a head larger than [`MAX_HEAD`]), it hands the connection to hyper's server with every byte
 //! it has read and not used ([`Rewind`]), and hyper serves the rest of the
 //! connection. So everything unusual meets hyper's handling, as before, and
 //! the common `GET` skips hyper's dispatcher, whose request and response
@@ -47,7 +48,7 @@ use tokio::sync::watch;
 use crate::ascii::eq_lower;
 use crate::idle::Idle;
 use crate::limiter::KeyCache;
-use crate::proxy::{Body, Limits, Proxy, RequestBody};
+use crate::proxy::{Body, Limits, Proxy, ProxyError, RequestBody};
 
 /// The most a request head may take here; a longer one goes to hyper, whose
 /// limit is `server.max_header_bytes`.
@@ -95,6 +96,11 @@ pub async fn serve(
                 Parsed::Partial if buf.len() < MAX_HEAD => {}
                 Parsed::Partial | Parsed::Other => {
                     return Ok(Served::Handoff(Rewind::new(stream, buf)));
+                }
+                Parsed::Malformed(why) => {
+                    let resp = ProxyError::BadRequest(why).response();
+                    write_response(&mut stream, &mut out, resp, None, false, false).await?;
+                    return Ok(Served::Closed);
                 }
             }
             let n = tokio::select! {
@@ -179,6 +185,13 @@ async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usi
 /// connections one thread serves at once under load; above it they are freed.
 const MAX_SPARE: usize = 256;
 
+/// How many spare read buffers this thread holds: for tests, which run the
+/// server on their own thread and can see that idle connections hold none.
+#[doc(hidden)]
+pub fn spare_read_buffers() -> usize {
+    SPARE.with_borrow(|spare| spare.len())
+}
+
 /// What the front of the read buffer holds.
 // Unboxed: it is taken apart at once, and a box would cost an allocation a request.
 #[allow(clippy::large_enum_variant)]
@@ -187,8 +200,10 @@ enum Parsed {
     Request(Request<RequestBody>, bool),
     /// Not a whole head yet.
     Partial,
-    /// A head for hyper: unusual, or not valid (hyper answers it).
+    /// A head for hyper: unusual, or one hyper judges (see `parse`).
     Other,
+    /// Bytes that are not an HTTP/1 request head; why, for the client.
+    Malformed(&'static str),
 }
 
 /// Takes a request head from the front of `buf` when it is one served here;
@@ -202,7 +217,12 @@ fn parse(buf: &mut BytesMut) -> Parsed {
     let len = match parsed.parse_with_uninit_headers(buf, &mut slots) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Other,
+        // hyper takes more lines (and answers 431 above its limit).
+        Err(httparse::Error::TooManyHeaders) => return Parsed::Other,
+        // hyper would answer these with a bare 400: the same parser, the
+        // same settings. A client that sent the HTTP/2 preface never gets
+        // here (see `server::starts_as_http1`).
+        Err(e) => return Parsed::Malformed(malformed(e)),
     };
     if parsed.version != Some(1) {
         return Parsed::Other;
@@ -255,6 +275,17 @@ fn parse(buf: &mut BytesMut) -> Parsed {
             *buf = whole;
             Parsed::Other
         }
+    }
+}
+
+/// What the client is told about a head httparse refused.
+fn malformed(e: httparse::Error) -> &'static str {
+    match e {
+        httparse::Error::HeaderName => "invalid header name",
+        httparse::Error::HeaderValue => "invalid header value",
+        httparse::Error::NewLine => "invalid line ending in the request head",
+        httparse::Error::Version => "invalid HTTP version",
+        _ => "invalid request line",
     }
 }
 

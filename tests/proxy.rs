@@ -225,12 +225,29 @@ async fn malformed_requests_are_400_and_harmless() {
     assert!(no_host.contains("application/problem+json"), "{no_host}");
     let two_hosts = raw(sluice.addr, b"GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n").await;
     assert!(two_hosts.starts_with("HTTP/1.1 400"), "{two_hosts}");
+    // Heads that do not parse: sluice's own answer, and the connection closes.
     for garbage in [
         &b"\x00\x01\x02garbage\r\n\r\n"[..],
         b"GET /\x7f HTTP/1.1\r\nhost: a\r\n\r\n",
         b"GET / HTTP/9.9\r\nhost: a\r\n\r\n",
+        b"GET / HTTP/2.0\r\nhost: a\r\n\r\n",
         b"GET / HTTP/1.1\r\nbad header\r\n\r\n",
-        b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: -5\r\n\r\n",
+        b"GET /ping HTTP/1.1\r\nhost: a\r\n\r\nGET / HTTP/1.1\r\nx: \x01\r\n\r\n",
+    ] {
+        let reply = raw(sluice.addr, garbage).await;
+        let (head, body) = reply.rsplit_once("\r\n\r\n").unwrap_or_default();
+        assert!(
+            head.contains("HTTP/1.1 400 Bad Request\r\n")
+                && head.contains("content-type: application/problem+json\r\n")
+                && head.contains("connection: close\r\n")
+                && body.starts_with("{\"detail\":\"malformed request: invalid "),
+            "{:?} -> {reply}",
+            String::from_utf8_lossy(garbage)
+        );
+    }
+    // Bodies framed wrongly: hyper's answer.
+    for garbage in [
+        &b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: -5\r\n\r\n"[..],
         b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
     ] {
         let reply = raw(sluice.addr, garbage).await;
@@ -755,6 +772,45 @@ async fn heads_in_pieces_on_connections_taking_turns() {
         assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
         assert_eq!(out.matches("HTTP/1.1 ").count(), 1, "{out}");
     }
+}
+
+/// An idle keep-alive connection holds no read buffer: it gives it to its
+/// thread's spares (the server runs on this test's thread, so they can be
+/// counted here). Three requests held by the upstream at once (100 ms) need three
+/// buffers; once all three connections wait for their next request, the
+/// three are spare. Were the buffers kept, the count would only have dropped.
+#[tokio::test]
+async fn idle_connections_give_their_read_buffers_back() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (up, sluice) = setup().await;
+    let before = sluice::front::spare_read_buffers();
+    let mut conns = Vec::new();
+    for i in 0..3 {
+        let mut conn = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+        conn.write_all(format!("GET /slow/100?{i} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        conns.push(conn);
+    }
+    for conn in &mut conns {
+        let mut got = Vec::new();
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut chunk = [0u8; 1024];
+            let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut chunk))
+                .await
+                .expect("an answer in time")
+                .unwrap();
+            assert!(n > 0, "closed before its answer: {got:?}");
+            got.extend_from_slice(&chunk[..n]);
+        }
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{got}");
+    }
+    assert_eq!(up.hits(), 3);
+    // The connections' tasks put their buffers back before they wait.
+    let want = before.max(3);
+    wait_until(|| sluice::front::spare_read_buffers() == want).await;
+    drop(conns);
 }
 
 /// A head too large for the own server's buffer goes to hyper's with what
