@@ -4,12 +4,13 @@
 //! `Expect`, no `TE`. A head that cannot be parsed gets sluice's own `400`
 //! (problem+json, `Connection: close`). At the first request it does not
 //! serve (a body, an upgrade, `CONNECT`, HTTP/1.0, more header lines than it
-//! has room for, a head larger than [`MAX_HEAD`]), it hands the connection to hyper's server with every byte
-//! it has read and not used ([`Rewind`]), and hyper serves the rest of the
-//! connection. So everything unusual meets hyper's handling, as before, and
-//! the common `GET` skips hyper's dispatcher, whose request and response
-//! futures it moved about a dozen times a request (measured: about a quarter
-//! of the instructions per proxied `GET`, see README Performance).
+//! has room for, a head larger than [`MAX_HEAD`]), it hands the connection
+//! to hyper's server with every byte it has read and not used ([`Rewind`]),
+//! and hyper serves the rest of the connection. So everything unusual meets
+//! hyper's handling, as before, and the common `GET` skips hyper's
+//! dispatcher, whose request and response futures it moved about a dozen
+//! times a request (measured: about a quarter of the instructions per
+//! proxied `GET`, see README Performance).
 //!
 //! What a client sees is what hyper's server does:
 //!

@@ -776,18 +776,25 @@ async fn heads_in_pieces_on_connections_taking_turns() {
 
 /// An idle keep-alive connection holds no read buffer: it gives it to its
 /// thread's spares (the server runs on this test's thread, so they can be
-/// counted here). Three requests held by the upstream at once (100 ms) need three
-/// buffers; once all three connections wait for their next request, the
-/// three are spare. Were the buffers kept, the count would only have dropped.
+/// counted here). Three requests held by the upstream at once (for 500 ms,
+/// so that all three are read before the first is answered even on a busy
+/// machine) need three buffers; once all three connections wait for their
+/// next request, the three are spare. Were the buffers kept, the count would
+/// only have dropped.
 #[tokio::test]
 async fn idle_connections_give_their_read_buffers_back() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (up, sluice) = setup().await;
+    let up = Upstream::start().await;
+    let sluice = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"5s\"\n{}",
+        proxy_to(&up.url())
+    ))
+    .await;
     let before = sluice::front::spare_read_buffers();
     let mut conns = Vec::new();
     for i in 0..3 {
         let mut conn = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
-        conn.write_all(format!("GET /slow/100?{i} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        conn.write_all(format!("GET /slow/500?{i} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
             .await
             .unwrap();
         conns.push(conn);
