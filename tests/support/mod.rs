@@ -370,16 +370,23 @@ pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
 /// scripted byte by byte; the requests they get carry no body that matters.
 /// False once the connection has ended.
 pub async fn read_request_head(stream: &mut tokio::net::TcpStream) -> bool {
+    read_head(stream).await.is_some()
+}
+
+/// Reads from `stream` until a head's blank line has come; returns what was
+/// read (the head, and any bytes after it in the same reads), or `None` if
+/// the connection ended first.
+pub async fn read_head(stream: &mut tokio::net::TcpStream) -> Option<String> {
     use tokio::io::AsyncReadExt;
     let mut head = Vec::new();
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
         let mut chunk = [0u8; 4096];
         match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return false,
+            Ok(0) | Err(_) => return None,
             Ok(k) => head.extend_from_slice(&chunk[..k]),
         }
     }
-    true
+    Some(String::from_utf8_lossy(&head).into_owned())
 }
 
 /// Polls `cond` until it holds (at most 5 s): for waiting on an event, never
