@@ -81,15 +81,22 @@ impl Command {
         self.arg(&digits[at..])
     }
 
-    /// Overwrites the command's bytes from `at` with `bytes` (the same length:
-    /// an argument's value, whose length is already written before it).
-    pub fn overwrite(&mut self, at: usize, bytes: &[u8]) {
-        self.0[at..at + bytes.len()].copy_from_slice(bytes);
+    /// The command with its bytes from `at` replaced by `bytes` (the same
+    /// length: an argument's value, whose length is already written before
+    /// it), as the parts [`Pipe::call_parts`] sends: no copy of the command is
+    /// made.
+    pub fn with<'a>(&'a self, at: usize, bytes: &'a [u8]) -> [&'a [u8]; 3] {
+        [&self.0[..at], bytes, &self.0[at + bytes.len()..]]
     }
 
     /// How many bytes the command takes.
     pub fn len(&self) -> usize {
         self.0.len()
+    }
+
+    /// The command's bytes, as sent.
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
     }
 
     /// A whole command from its arguments.
@@ -219,15 +226,31 @@ impl Pipe {
     /// is a `Reply`, not an `Err`; `Err` says the connection failed or the
     /// deadline passed.
     pub async fn call(&self, cmd: &Command, deadline: Instant) -> Result<Reply, StoreError> {
+        self.call_parts(&[&cmd.0], deadline).await
+    }
+
+    /// [`Pipe::call`] of a command sent as the concatenation of `parts`.
+    pub async fn call_parts(
+        &self,
+        parts: &[&[u8]],
+        deadline: Instant,
+    ) -> Result<Reply, StoreError> {
         let link = match self.current() {
             Some(link) => link,
-            // Connecting (rare) is bounded by a timer of its own.
-            None => tokio::time::timeout_at(deadline, self.link())
-                .await
-                .map_err(|_| StoreError::Timeout)?
-                .map_err(StoreError::Unavailable)?,
+            // Connecting (rare) is bounded by a timer of its own. Boxed: its
+            // state (two timers, a lock) would otherwise make every call's
+            // future, and every decision's, several times larger.
+            None => {
+                Box::pin(async {
+                    tokio::time::timeout_at(deadline, self.link())
+                        .await
+                        .map_err(|_| StoreError::Timeout)?
+                        .map_err(StoreError::Unavailable)
+                })
+                .await?
+            }
         };
-        let reply = link.send(&cmd.0, deadline)?;
+        let reply = link.send(parts, deadline)?;
         reply.await.unwrap_or_else(|_| {
             Err(StoreError::Unavailable(
                 "connection to Redis dropped".into(),
@@ -311,7 +334,11 @@ struct LinkState {
 }
 
 impl Link {
-    fn send(&self, cmd: &[u8], deadline: Instant) -> Result<oneshot::Receiver<Answer>, StoreError> {
+    fn send(
+        &self,
+        parts: &[&[u8]],
+        deadline: Instant,
+    ) -> Result<oneshot::Receiver<Answer>, StoreError> {
         let (tx, rx) = oneshot::channel();
         let (was_empty, sooner) = {
             let mut s = self.lock();
@@ -333,7 +360,9 @@ impl Link {
                 s.alarm = Some(deadline);
             }
             let was_empty = s.out.is_empty();
-            s.out.extend_from_slice(cmd);
+            for part in parts {
+                s.out.extend_from_slice(part);
+            }
             (was_empty, sooner)
         };
         // Bytes already waiting mean the writer was woken for them.
@@ -657,6 +686,14 @@ mod tests {
         let mut n = Command::new(2, 0);
         n.arg_number(0).arg_number(1234567890);
         assert_eq!(n.0, b"*2\r\n$1\r\n0\r\n$10\r\n1234567890\r\n");
+        // An argument's value swapped for another of its length.
+        let template = Command::of(&[b"EVALSHA", b"abc", b"xxxx", b"k"]);
+        let at = template.0.windows(4).position(|w| w == b"xxxx").unwrap();
+        let parts = template.with(at, b"head");
+        assert_eq!(
+            parts.concat(),
+            Command::of(&[b"EVALSHA", b"abc", b"head", b"k"]).0
+        );
     }
 
     #[test]

@@ -273,27 +273,28 @@ impl RedisStore {
             Conn::Single(pipe) => {
                 let evalsha = script_command(b"EVALSHA", script.get_hash().as_bytes(), keys, args);
                 let eval = || Ok(script_command(b"EVAL", text.as_bytes(), keys, args));
-                run_script(pipe, &evalsha, eval, deadline).await
+                run_script(pipe, &[evalsha.bytes()], eval, deadline).await
             }
             Conn::Cluster(cluster) => {
-                let mut inv = script.prepare_invoke();
-                keys.iter().for_each(|k| {
-                    inv.key(&k[..]);
-                });
-                args.iter().for_each(|a| {
-                    inv.arg(*a);
-                });
-                // Boxed: a cluster call's state is large, and every
-                // decision's future would otherwise carry it and move it.
-                let call = Box::pin(async {
+                // Boxed: a cluster call's state (the invocation, the redis
+                // crate's future, a timer) is large, and every decision's
+                // future would otherwise carry it and move it.
+                let call = async {
+                    let mut inv = script.prepare_invoke();
+                    keys.iter().for_each(|k| {
+                        inv.key(&k[..]);
+                    });
+                    args.iter().for_each(|a| {
+                        inv.arg(*a);
+                    });
                     let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
                     let value: redis::Value = inv
                         .invoke_async(&mut conn)
                         .await
                         .map_err(|e| e.to_string())?;
                     Ok(reply_of(value))
-                });
-                within(deadline, call).await
+                };
+                Box::pin(within(deadline, call)).await
             }
         }
     }
@@ -317,6 +318,21 @@ impl RedisStore {
                 .acquire_one(counters, memo, cost, mode, now_ms, deadline)
                 .await;
         }
+        // Boxed: the usual decision's future need not carry this one's state.
+        Box::pin(self.acquire_slots(counters, groups, cost, mode, now_ms, deadline)).await
+    }
+
+    /// [`RedisStore::acquire`] of counters in several cluster slots, `groups`
+    /// (indices of `counters`): slot by slot, all or nothing.
+    async fn acquire_slots(
+        &self,
+        counters: &[Counter],
+        groups: Vec<Vec<usize>>,
+        cost: u64,
+        mode: u8,
+        now_ms: u64,
+        deadline: Instant,
+    ) -> Result<Outcome, StoreError> {
         let mut out = Outcome {
             allowed: true,
             now_ms,
@@ -479,13 +495,12 @@ impl RedisStore {
                 memo.0.get_or_init(|| (cmd, at))
             }
         };
-        let mut cmd = template.clone();
-        cmd.overwrite(*at, head);
+        let evalsha = template.with(*at, head);
         let eval = || {
             let (keys, arg) = self.acquire_args(counters, head)?;
             Ok(script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]))
         };
-        run_script(pipe, &cmd, eval, deadline).await
+        run_script(pipe, &evalsha, eval, deadline).await
     }
 
     pub async fn refund(
@@ -571,11 +586,11 @@ async fn within(
 /// script. An error reply is an error.
 async fn run_script(
     pipe: &Pipe,
-    evalsha: &Command,
+    evalsha: &[&[u8]],
     eval: impl FnOnce() -> Result<Command, StoreError>,
     deadline: Instant,
 ) -> Result<Reply, StoreError> {
-    match pipe.call(evalsha, deadline).await? {
+    match pipe.call_parts(evalsha, deadline).await? {
         Reply::Error(e) if e.starts_with("NOSCRIPT") => {
             checked(pipe.call(&eval()?, deadline).await)
         }
