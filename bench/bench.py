@@ -12,6 +12,9 @@ needs root), builds sluice in release mode, then starts:
   sluice        sluice, 1 worker, no policy
   sluice-mem    sluice, memory store, policy 10/1s + 120/1m + 240/1h (1m precision)
   sluice-redis  sluice, Redis store, the same policy
+  floor         a TCP relay with no HTTP (bench/floor.rs): tokio, 1 worker,
+                mimalloc, like sluice; what any proxy built so pays before its
+                own work (not a target: a scale for the others)
 
 (limits high enough never to reject) and runs `wrk -t1 --latency` against each,
 interleaved, for several rounds, at -c50 and -c200. Then two runs of sluice with
@@ -296,15 +299,17 @@ def main():
     need("nginx", "nginx-light", "nginx")
     need("redis-server", "redis-server")
     need_redis_module()
-    print("--- building sluice (release)", flush=True)
-    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    print("--- building sluice and the floor (release)", flush=True)
+    subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "sluice", "--example", "floor"],
+                   cwd=ROOT, check=True)
     sluice = os.path.join(ROOT, "target", "release", "sluice")
+    floor = os.path.join(ROOT, "target", "release", "examples", "floor")
 
     tmp = tempfile.mkdtemp(prefix="sluice-bench-")
     procs = Procs()
     try:
         ports = {k: free_port() for k in ["upstream", "nginx", "nginx-limit", "sluice", "sluice-mem",
-                                           "sluice-redis", "redis", "sluice-many", "sluice-reject"]}
+                                           "sluice-redis", "redis", "sluice-many", "sluice-reject", "floor"]}
         up = ports["upstream"]
         procs.start(["nginx", "-c", nginx_conf(tmp, up, f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}')])
         proxy_block = f"upstream api {{ server 127.0.0.1:{up}; keepalive 64; }}"
@@ -349,6 +354,7 @@ upstream = "api"
         pids = {}
         for name, conf in confs.items():
             pids[name] = procs.start([sluice, "--config", conf], env=env).pid
+        pids["floor"] = procs.start([floor, f"127.0.0.1:{ports['floor']}", f"127.0.0.1:{up}"]).pid
         for p in ports.values():
             if p != ports["redis"]:
                 wait_port(p)
@@ -358,7 +364,7 @@ upstream = "api"
             master = next(p for p in procs.procs if p.args[-1].endswith(f"nginx-{ports[name]}.conf"))
             pids[name] = children(master.pid)[0]
 
-        setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis"]
+        setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis", "floor"]
         results = {(s, c): [] for s in setups for c in conns_list}
         # Warm up every proxy (pools, scripts).
         for s in setups:
@@ -444,6 +450,16 @@ upstream = "api"
             ux = paired(results[("sluice", c)], results[("nginx", c)], "user_us")
             lines.append(f"-c{c} CPU us per request, user + system (medians): {split}; "
                          f"sluice's user CPU {ux:.2f}x nginx's")
+        # The floor: the CPU a request costs a proxy on sluice's runtime that
+        # does no HTTP at all. What sluice spends above it is its own work.
+        for c in conns_list:
+            fl = next(r for r in rows if r["setup"] == "floor" and r["conns"] == c)
+            sl = next(r for r in rows if r["setup"] == "sluice" and r["conns"] == c)
+            over = paired(results[("sluice", c)], results[("floor", c)], "cpu_us")
+            lines.append(f"-c{c} floor (a TCP relay, no HTTP): {fl['cpu_us']:.1f} us CPU per request "
+                         f"({fl['user_us']:.1f} + {fl['sys_us']:.1f}) = {fl['cpu_x']:.2f}x nginx's; "
+                         f"sluice without a policy {over:.2f}x the floor, its own work about "
+                         f"{sl['cpu_us'] - fl['cpu_us']:.1f} us a request")
         # The quietest round of each setup: on a shared machine the neighbours
         # only ever add CPU time, so each setup's lowest figure is the nearest
         # to its own cost. Not the targets' figure (those are the medians
