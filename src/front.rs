@@ -34,7 +34,7 @@ use std::net::SocketAddr;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -89,6 +89,9 @@ pub async fn serve(
     // request (see `read_more`).
     let mut buf = BytesMut::new();
     let mut out = Vec::new();
+    // The upstream timeout's timer, kept for the connection's requests (see
+    // `proxy::within`); set by the first.
+    let mut timer = pin!(tokio::time::sleep(Duration::ZERO));
     loop {
         // The next request's head, read as far as needed.
         let (mut req, close) = loop {
@@ -119,7 +122,12 @@ pub async fn serve(
         // The request, or the client gone first, each polled where it is
         // pinned (`select!` made more copies of the request's future).
         let resp = {
-            let mut handling = pin!(client.proxy.handle(&mut req, client.peer, client.keys));
+            let mut handling = pin!(client.proxy.handle(
+                &mut req,
+                client.peer,
+                client.keys,
+                Some(timer.as_mut())
+            ));
             let mut gone = pin!(client_gone(&mut stream, &mut buf));
             poll_fn(|cx| match handling.as_mut().poll(cx) {
                 Poll::Ready(resp) => Poll::Ready(Some(resp)),

@@ -152,7 +152,8 @@ impl Server {
                             async move {
                                 let request = idle.begin();
                                 let mut req = req.map(RequestBody::Stream);
-                                let (mut resp, limits) = proxy.handle(&mut req, peer, &keys).await;
+                                // Several requests at once (HTTP/2): each its own timer.
+                                let (mut resp, limits) = proxy.handle(&mut req, peer, &keys, None).await;
                                 crate::proxy::into_map(&mut resp, limits);
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
