@@ -26,9 +26,9 @@ import hashlib
 import os
 import signal
 import socket
+import statistics
 import struct
 import subprocess
-import statistics
 import sys
 import time
 
