@@ -92,6 +92,12 @@ pub async fn serve(
     // The upstream timeout's timer, kept for the connection's requests (see
     // `proxy::within`); set by the first.
     let mut timer = pin!(tokio::time::sleep(Duration::ZERO));
+    // The wait for the shutdown signal, kept for the connection's life on a
+    // receiver of its own: made anew for each request, it joined and left
+    // the signal's list of waiters (two locks and a random pick of the list)
+    // every time the connection waited for a head; kept, a wait is one poll.
+    let mut watcher = signal.clone();
+    let mut shutdown = pin!(watcher.changed());
     loop {
         // The next request's head, read as far as needed.
         let (mut req, close) = loop {
@@ -111,7 +117,7 @@ pub async fn serve(
                 biased;
                 n = read_more(&mut stream, &mut buf) => n?,
                 // A dropped sender (the server gone) means the same.
-                _ = signal.changed() => return Ok(Served::Closed),
+                _ = shutdown.as_mut() => return Ok(Served::Closed),
             };
             if n == 0 {
                 return Ok(Served::Closed);
