@@ -372,7 +372,11 @@ impl UpstreamClient {
 
 /// An upstream response body that returns its connection to the pool once
 /// read to the end.
-pub struct PooledBody(Read);
+///
+/// Boxed: a response is moved about twenty times on its way to the client,
+/// and the connection it holds would make each move a copy of some 170
+/// bytes; one allocation is cheaper.
+pub struct PooledBody(Box<Read>);
 
 type Back<C> = (C, Arc<Pools>, Origin);
 
@@ -392,7 +396,7 @@ impl PooledBody {
     /// The answer's fields as the own client read them (see [`h1::Fields`]);
     /// `None` when they are in the answer's map.
     pub fn take_fields(&mut self) -> Option<Box<h1::Fields>> {
-        match &mut self.0 {
+        match &mut *self.0 {
             Read::Own { reader, .. } => reader.take_fields(),
             Read::Hyper { .. } => None,
         }
@@ -400,7 +404,7 @@ impl PooledBody {
 
     fn hyper(inner: Incoming, back: Option<Back<SendRequest<RequestBody>>>) -> PooledBody {
         let end = inner.is_end_stream();
-        let mut body = PooledBody(Read::Hyper { inner, back });
+        let mut body = PooledBody(Box::new(Read::Hyper { inner, back }));
         // An empty body (a 204, a HEAD) may never be polled.
         if end {
             body.give_back();
@@ -414,10 +418,10 @@ impl PooledBody {
         (pools, origin): (Arc<Pools>, Origin),
     ) -> PooledBody {
         let end = reader.is_end();
-        let mut body = PooledBody(Read::Own {
+        let mut body = PooledBody(Box::new(Read::Own {
             reader,
             back: Some((conn, pools, origin)),
-        });
+        }));
         if end {
             body.give_back();
         }
@@ -425,7 +429,7 @@ impl PooledBody {
     }
 
     fn give_back(&mut self) {
-        match &mut self.0 {
+        match &mut *self.0 {
             Read::Hyper { back, .. } => {
                 if let Some((sender, pools, origin)) = back.take() {
                     pools.hyper.give_back(origin, sender);
@@ -451,7 +455,7 @@ impl Body for PooledBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        let (frame, end) = match &mut this.0 {
+        let (frame, end) = match &mut *this.0 {
             Read::Hyper { inner, back } => {
                 let frame = ready!(Pin::new(&mut *inner).poll_frame(cx));
                 let end = ends(&frame, inner.is_end_stream(), back);
@@ -473,14 +477,14 @@ impl Body for PooledBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.0 {
+        match &*self.0 {
             Read::Hyper { inner, .. } => inner.is_end_stream(),
             Read::Own { reader, back } => back.is_none() || reader.is_end(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.0 {
+        match &*self.0 {
             Read::Hyper { inner, .. } => inner.size_hint(),
             Read::Own { reader, .. } => reader.size_hint(),
         }
