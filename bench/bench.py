@@ -15,6 +15,10 @@ needs root), builds sluice in release mode, then starts:
   floor         a TCP relay with no HTTP (bench/floor.rs): tokio, 1 worker,
                 mimalloc, like sluice; what any proxy built so pays before its
                 own work (not a target: a scale for the others)
+  http-floor    the same program with --http: the least an HTTP/1.1 reverse
+                proxy does (parse both heads, drop hop-by-hop fields, add
+                X-Forwarded-For, a shared keep-alive pool); sluice's features
+                are what it spends above this (also not a target)
 
 (limits high enough never to reject) and runs `wrk -t1 --latency` against each,
 interleaved, for several rounds, at -c50 and -c200. Then two runs of sluice with
@@ -229,7 +233,7 @@ def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None
 def svg_plot(rows, path):
     """A bar chart of req/s and p99 per setup, -c50 (no plotting library needed)."""
     rows = [r for r in rows if r["conns"] == 50]
-    w, h, pad, bar = 760, 360, 60, 22
+    w, h, pad, bar = 860, 360, 60, 22
     max_rps = max(r["rps"] for r in rows) or 1
     max_p99 = max(r["p99"] for r in rows) or 1
     step = (w - 2 * pad) / len(rows)
@@ -309,7 +313,8 @@ def main():
     procs = Procs()
     try:
         ports = {k: free_port() for k in ["upstream", "nginx", "nginx-limit", "sluice", "sluice-mem",
-                                           "sluice-redis", "redis", "sluice-many", "sluice-reject", "floor"]}
+                                           "sluice-redis", "redis", "sluice-many", "sluice-reject", "floor",
+                                           "http-floor"]}
         up = ports["upstream"]
         procs.start(["nginx", "-c", nginx_conf(tmp, up, f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}')])
         proxy_block = f"upstream api {{ server 127.0.0.1:{up}; keepalive 64; }}"
@@ -355,6 +360,7 @@ upstream = "api"
         for name, conf in confs.items():
             pids[name] = procs.start([sluice, "--config", conf], env=env).pid
         pids["floor"] = procs.start([floor, f"127.0.0.1:{ports['floor']}", f"127.0.0.1:{up}"]).pid
+        pids["http-floor"] = procs.start([floor, "--http", f"127.0.0.1:{ports['http-floor']}", f"127.0.0.1:{up}"]).pid
         for p in ports.values():
             if p != ports["redis"]:
                 wait_port(p)
@@ -364,7 +370,7 @@ upstream = "api"
             master = next(p for p in procs.procs if p.args[-1].endswith(f"nginx-{ports[name]}.conf"))
             pids[name] = children(master.pid)[0]
 
-        setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis", "floor"]
+        setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis", "floor", "http-floor"]
         results = {(s, c): [] for s in setups for c in conns_list}
         # Warm up every proxy (pools, scripts).
         for s in setups:
@@ -460,6 +466,14 @@ upstream = "api"
                          f"({fl['user_us']:.1f} + {fl['sys_us']:.1f}) = {fl['cpu_x']:.2f}x nginx's; "
                          f"sluice without a policy {over:.2f}x the floor, its own work about "
                          f"{sl['cpu_us'] - fl['cpu_us']:.1f} us a request")
+        # The HTTP floor: the least an HTTP/1.1 proxy does, on the same
+        # runtime. What sluice spends above it is its features.
+        for c in conns_list:
+            hf = next(r for r in rows if r["setup"] == "http-floor" and r["conns"] == c)
+            over = paired(results[("sluice", c)], results[("http-floor", c)], "cpu_us")
+            lines.append(f"-c{c} http-floor (bare HTTP/1.1 proxy): {hf['cpu_us']:.1f} us CPU per request "
+                         f"({hf['user_us']:.1f} + {hf['sys_us']:.1f}) = {hf['cpu_x']:.2f}x nginx's; "
+                         f"sluice without a policy {over:.2f}x it")
         # The quietest round of each setup: on a shared machine the neighbours
         # only ever add CPU time, so each setup's lowest figure is the nearest
         # to its own cost. Not the targets' figure (those are the medians
