@@ -388,6 +388,46 @@ async fn reload_swaps_routes_keeps_counters_and_refuses_bad_files() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[tokio::test]
+async fn requests_are_counted_by_route_and_status_across_a_reload() {
+    // 200 and 429 are statuses a route keeps its counters for; 418 is not,
+    // and an unmatched request has no route.
+    let cfg = "[policies.p]\nlimits = [{ limit = 2, window = \"1h\" }]\n\
+               [[routes]]\npath = \"=/ok\"\nrespond = { status = 200, body = \"ok\" }\npolicy = \"p\"\n\
+               [[routes]]\npath = \"=/teapot\"\nrespond = { status = 418, body = \"tea\" }\n";
+    let s = Sluice::start(cfg).await;
+    let ok = "sluice_requests_total{route=\"=/ok\",status=\"200\"}";
+    let limited = "sluice_requests_total{route=\"=/ok\",status=\"429\"}";
+    let teapot = "sluice_requests_total{route=\"=/teapot\",status=\"418\"}";
+    let unrouted = "sluice_requests_total{route=\"-\",status=\"404\"}";
+    assert_eq!(get(&s.url("/ok"), &[]).await.status, 200);
+    assert_eq!(get(&s.url("/teapot"), &[]).await.status, 418);
+    assert_eq!(get(&s.url("/none"), &[]).await.status, 404);
+    assert_eq!(s.metric(ok).await, 1.0);
+    assert_eq!(
+        s.metric(limited).await,
+        0.0,
+        "no series before its first request"
+    );
+    assert_eq!(s.metric(teapot).await, 1.0);
+    assert_eq!(s.metric(unrouted).await, 1.0);
+
+    // A reload makes new routes; their requests add to the same series.
+    let dir = std::env::temp_dir().join(format!("sluice-count-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("config.toml");
+    std::fs::write(&file, cfg).unwrap();
+    s.proxy.reload(&file).unwrap();
+    assert_eq!(get(&s.url("/ok"), &[]).await.status, 200);
+    assert_eq!(get(&s.url("/ok"), &[]).await.status, 429);
+    assert_eq!(get(&s.url("/teapot"), &[]).await.status, 418);
+    assert_eq!(s.metric(ok).await, 2.0);
+    assert_eq!(s.metric(limited).await, 1.0);
+    assert_eq!(s.metric(teapot).await, 2.0);
+    assert_eq!(s.metric(unrouted).await, 1.0);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Asks the test upstream for its `echo` upgrade; returns the connection and
 /// the response head, read byte by byte so nothing after it is consumed.
 async fn open_echo_tunnel(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {

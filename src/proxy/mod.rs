@@ -47,7 +47,7 @@ pub use ratelimit_headers::Limits;
 use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target};
 use crate::identity;
 use crate::limiter::{Binding, KeyCache, Limiter, Ticket, Verdict};
-use crate::metrics::{DecisionCounters, Metrics, Name, RouteStatus, UpstreamLabel};
+use crate::metrics::{DecisionCounters, Metrics, Name, RouteCounters, RouteStatus, UpstreamLabel};
 use crate::router::Router;
 use crate::store::{Store, StoreError};
 use crate::tls::TlsError;
@@ -66,6 +66,9 @@ pub struct State {
     /// Each policy's `sluice_decisions_total` counters, by [`addr`] of its
     /// `Arc<Policy>` (routes share the config's).
     decisions: HashMap<usize, DecisionCounters, foldhash::fast::RandomState>,
+    /// Each route's `sluice_requests_total` counters, by the address of its
+    /// name (an `Arc<str>` the router's copy of the route shares).
+    requests: HashMap<usize, RouteCounters, foldhash::fast::RandomState>,
     /// Each upstream's `sluice_upstream_seconds` histogram, by [`addr`] of
     /// its `Arc<Upstream>`.
     upstream_seconds: HashMap<usize, Histogram, foldhash::fast::RandomState>,
@@ -80,6 +83,11 @@ pub struct State {
 /// The state holds the config, so no address is reused while it is in use.
 fn addr<T>(item: &Arc<T>) -> usize {
     Arc::as_ptr(item) as usize
+}
+
+/// [`addr`] for a name.
+fn name_addr(name: &Arc<str>) -> usize {
+    Arc::as_ptr(name) as *const u8 as usize
 }
 
 impl State {
@@ -102,6 +110,11 @@ impl State {
             .iter()
             .map(|p| (addr(p), metrics.decision_counters(&p.name)))
             .collect();
+        let requests = config
+            .routes
+            .iter()
+            .map(|r| (name_addr(&r.name), RouteCounters::new(r.name.clone())))
+            .collect();
         let upstream_seconds = config
             .upstreams
             .iter()
@@ -122,6 +135,7 @@ impl State {
             config,
             clients,
             decisions,
+            requests,
             upstream_seconds,
             tls,
         })
@@ -168,17 +182,19 @@ struct RequestCtx<'t> {
 /// instructions a request more (callgrind, wrk -c10). Between requests the
 /// kept timer may wake its connection once, at the last deadline, to no
 /// effect.
-async fn within<F: Future>(
+///
+/// `exchange` comes pinned where its caller made it (a large future: moving
+/// it in here would copy it, twice).
+async fn within<F: Future + Unpin>(
     deadline: tokio::time::Instant,
     timer: Option<Pin<&mut tokio::time::Sleep>>,
-    exchange: F,
+    mut exchange: F,
 ) -> Option<F::Output> {
     let Some(mut timer) = timer else {
         return tokio::time::timeout_at(deadline, exchange).await.ok();
     };
     timer.as_mut().reset(deadline);
-    let mut exchange = pin!(exchange);
-    poll_fn(|cx| match exchange.as_mut().poll(cx) {
+    poll_fn(|cx| match Pin::new(&mut exchange).poll(cx) {
         Poll::Ready(out) => Poll::Ready(Some(out)),
         Poll::Pending => timer.as_mut().poll(cx).map(|()| None),
     })
@@ -317,13 +333,24 @@ impl Proxy {
             Ok(resp) => resp,
             Err(e) => e.response(),
         };
-        self.metrics
-            .requests
-            .get_or_create(&RouteStatus {
-                route: Name(ctx.route.clone().unwrap_or_else(|| Arc::from("-"))),
-                status: resp.status().as_u16(),
-            })
-            .inc();
+        let status = resp.status().as_u16();
+        match ctx
+            .route
+            .as_ref()
+            .and_then(|r| state.requests.get(&name_addr(r)))
+        {
+            Some(counters) => counters.count(&self.metrics, status),
+            // No route matched.
+            None => {
+                self.metrics
+                    .requests
+                    .get_or_create(&RouteStatus {
+                        route: Name(ctx.route.clone().unwrap_or_else(|| Arc::from("-"))),
+                        status,
+                    })
+                    .inc();
+            }
+        }
         let Some((started, method, path)) = logged else {
             return (resp, ctx.limits);
         };
@@ -510,13 +537,9 @@ impl Proxy {
                 forward::upstream_head(req, upstream, server, peer.ip(), host.as_ref(), self.https)
                     .map_err(ProxyError::BadRequest)?;
             let method = req.method().clone();
+            let exchange = pin!(client.request_own(server, head, method));
             sent = tokio::time::Instant::now();
-            within(
-                sent + timeout,
-                ctx.timer.take(),
-                client.request_own(server, head, method),
-            )
-            .await
+            within(sent + timeout, ctx.timer.take(), exchange).await
         } else {
             // hyper's client takes the request itself.
             let req = std::mem::replace(req, Request::new(RequestBody::Empty));
