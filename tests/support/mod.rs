@@ -420,10 +420,21 @@ where
 
 /// A loopback port with nothing listening on it.
 pub async fn dead_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    drop(l);
-    addr
+    // The port stays bound, not listening, for the test binary's life: a
+    // connection to it is refused, and nothing else can take it. A port
+    // freed at once could be handed by the kernel to the next test that
+    // binds port 0 (a redis-server, an upstream), which then answered here.
+    static HELD: std::sync::OnceLock<(socket2::Socket, SocketAddr)> = std::sync::OnceLock::new();
+    HELD.get_or_init(|| {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("a TCP socket");
+        socket
+            .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .expect("a loopback port");
+        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        (socket, addr)
+    })
+    .1
 }
 
 /// A real `redis-server` on a free loopback port, stopped when dropped.
