@@ -47,7 +47,7 @@ pub use ratelimit_headers::Limits;
 use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target};
 use crate::identity;
 use crate::limiter::{Binding, KeyCache, Limiter, Ticket, Verdict};
-use crate::metrics::{DecisionCounters, Metrics, Name, RouteCounters, RouteStatus, UpstreamLabel};
+use crate::metrics::{DecisionCounters, Metrics, Name, RouteCounters, UpstreamLabel};
 use crate::router::Router;
 use crate::store::{Store, StoreError};
 use crate::tls::TlsError;
@@ -66,9 +66,12 @@ pub struct State {
     /// Each policy's `sluice_decisions_total` counters, by [`addr`] of its
     /// `Arc<Policy>` (routes share the config's).
     decisions: HashMap<usize, DecisionCounters, foldhash::fast::RandomState>,
-    /// Each route's `sluice_requests_total` counters, by the address of its
-    /// name (an `Arc<str>` the router's copy of the route shares).
+    /// Each route's `sluice_requests_total` counters, by [`addr`] of its
+    /// name (an `Arc<str>` the router's copy of the route shares): every
+    /// route of the config is here.
     requests: HashMap<usize, RouteCounters, foldhash::fast::RandomState>,
+    /// The counters of requests no route matched (`route="-"`).
+    unrouted: RouteCounters,
     /// Each upstream's `sluice_upstream_seconds` histogram, by [`addr`] of
     /// its `Arc<Upstream>`.
     upstream_seconds: HashMap<usize, Histogram, foldhash::fast::RandomState>,
@@ -81,13 +84,8 @@ pub struct State {
 /// Where a config's shared item lives: what the per-request lookups of its
 /// metrics hash (a pointer is cheaper to hash than a name, on every request).
 /// The state holds the config, so no address is reused while it is in use.
-fn addr<T>(item: &Arc<T>) -> usize {
-    Arc::as_ptr(item) as usize
-}
-
-/// [`addr`] for a name.
-fn name_addr(name: &Arc<str>) -> usize {
-    Arc::as_ptr(name) as *const u8 as usize
+fn addr<T: ?Sized>(item: &Arc<T>) -> usize {
+    Arc::as_ptr(item) as *const () as usize
 }
 
 impl State {
@@ -113,7 +111,7 @@ impl State {
         let requests = config
             .routes
             .iter()
-            .map(|r| (name_addr(&r.name), RouteCounters::new(r.name.clone())))
+            .map(|r| (addr(&r.name), RouteCounters::new(r.name.clone())))
             .collect();
         let upstream_seconds = config
             .upstreams
@@ -136,6 +134,7 @@ impl State {
             clients,
             decisions,
             requests,
+            unrouted: RouteCounters::new(Arc::from("-")),
             upstream_seconds,
             tls,
         })
@@ -333,24 +332,11 @@ impl Proxy {
             Ok(resp) => resp,
             Err(e) => e.response(),
         };
-        let status = resp.status().as_u16();
-        match ctx
-            .route
+        ctx.route
             .as_ref()
-            .and_then(|r| state.requests.get(&name_addr(r)))
-        {
-            Some(counters) => counters.count(&self.metrics, status),
-            // No route matched.
-            None => {
-                self.metrics
-                    .requests
-                    .get_or_create(&RouteStatus {
-                        route: Name(ctx.route.clone().unwrap_or_else(|| Arc::from("-"))),
-                        status,
-                    })
-                    .inc();
-            }
-        }
+            .and_then(|r| state.requests.get(&addr(r)))
+            .unwrap_or(&state.unrouted)
+            .count(&self.metrics, resp.status().as_u16());
         let Some((started, method, path)) = logged else {
             return (resp, ctx.limits);
         };
