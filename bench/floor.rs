@@ -208,14 +208,16 @@ fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// The fields that are about one connection, not the message.
+/// The fields that are about one connection, not the message: the list
+/// sluice drops (src/proxy/forward.rs; `Trailer` is not one).
 fn hop_by_hop(name: &str) -> bool {
     [
         "connection",
         "keep-alive",
         "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
         "te",
-        "trailer",
         "transfer-encoding",
         "upgrade",
     ]
