@@ -34,7 +34,7 @@ use std::net::SocketAddr;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -384,6 +384,17 @@ async fn write_response(
     let mut length = None;
     let mut dated = false;
     let mut said_close = false;
+    // The upstream's fields in one copy when they allow it (see
+    // `Fields::block`) and none is to give way to a rate-limit field.
+    let block = fields
+        .as_deref()
+        .filter(|f| limits.is_none() || !f.rate_limit_like)
+        .and_then(|f| Some((f.block()?, f.dated)));
+    if let Some(((block, content_length), has_date)) = block {
+        out.extend_from_slice(block);
+        length = content_length.map(Some);
+        dated = has_date;
+    }
     // The upstream's fields as read, or the answer's map: names in any case.
     let mut field = |name: &[u8], value: &[u8]| {
         if eq_lower(name, b"content-length") {
@@ -403,8 +414,10 @@ async fn write_response(
         }
         line(out, name, value);
     };
-    for (name, value) in fields.iter().flat_map(|f| f.iter()) {
-        field(name, value);
+    if block.is_none() {
+        for (name, value) in fields.iter().flat_map(|f| f.iter()) {
+            field(name, value);
+        }
     }
     for (name, value) in parts.headers.iter() {
         field(name.as_str().as_bytes(), value.as_bytes());
@@ -552,10 +565,10 @@ struct Date {
 
 impl Date {
     fn now(&mut self) -> &[u8] {
-        let now = SystemTime::now();
-        let second = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        // The kernel's last tick is soon enough for a value in seconds.
+        let second = crate::clock::coarse_unix_secs();
         if second != self.second {
-            let text = httpdate::fmt_http_date(now);
+            let text = httpdate::fmt_http_date(UNIX_EPOCH + Duration::from_secs(second));
             if text.len() == self.text.len() {
                 self.text.copy_from_slice(text.as_bytes());
                 self.second = second;

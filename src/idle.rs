@@ -20,15 +20,15 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::task::AbortHandle;
 
-/// Milliseconds on a monotonic clock (from the first call in the process).
+/// Milliseconds on a monotonic clock, to the kernel's tick: the timeout is
+/// in seconds, and this is read at the end of every request.
 fn now_ms() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as u64
+    crate::clock::coarse_ms()
 }
 
 /// One client connection's requests.

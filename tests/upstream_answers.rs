@@ -324,3 +324,69 @@ async fn an_answers_fields_pass_as_sent_whatever_their_case() {
     // One upstream connection served all four.
     assert_eq!(up.counts(), (1, 4));
 }
+
+#[tokio::test]
+async fn an_answers_lines_reach_the_client_whole_and_ended_by_crlf() {
+    // (answer, with a policy): fields back to back, which sluice copies in
+    // one piece; lines ended by a bare LF, or a blank before the CRLF; a
+    // field taken from between others. With and without rate-limit fields
+    // to add.
+    let usual: &[u8] = b"HTTP/1.1 200 OK\r\nDate: Sun, 06 Nov 1994 08:49:37 GMT\r\n\
+        X-A:1\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok";
+    let bare_lf: &[u8] = b"HTTP/1.1 200 OK\nX-B: 2\nContent-Length: 2\n\nok";
+    let last_lf: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\nok";
+    let blank: &[u8] = b"HTTP/1.1 200 OK\r\nX-C: 3 \r\nContent-Length: 2\r\n\r\nok";
+    let between: &[u8] =
+        b"HTTP/1.1 200 OK\r\nX-D: 4\r\nKeep-Alive: timeout=5\r\nX-E: 5\r\nContent-Length: 2\r\n\r\nok";
+    let answers = [usual, bare_lf, blank, between, last_lf];
+    let script: Vec<Answer> = [answers, answers]
+        .concat()
+        .into_iter()
+        .map(|a| (a, false))
+        .collect();
+    let up = Scripted::start(script).await;
+    let config = format!(
+        "[policies.p]\nlimits = [{{ limit = 10, window = \"1m\" }}]\n\
+         [upstreams.api]\nurl = \"{}\"\n\
+         [[routes]]\npath = \"/limited\"\nupstream = \"api\"\npolicy = \"p\"\n\
+         [[routes]]\npath = \"/\"\nupstream = \"api\"\n",
+        up.url
+    );
+    let s = Sluice::start(&config).await;
+    for path in ["/", "/limited"] {
+        let request = format!("GET {path} HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n");
+        let mut texts = Vec::new();
+        for _ in answers {
+            let text = raw(s.addr, request.as_bytes()).await;
+            let (head, body) = text.split_once("\r\n\r\n").expect("a whole answer");
+            assert_eq!(body, "ok", "{text}");
+            assert_eq!(
+                head.matches('\n').count(),
+                head.matches("\r\n").count(),
+                "a bare LF: {text}"
+            );
+            let lower = head.to_ascii_lowercase();
+            assert_eq!(lower.matches("\r\ndate: ").count(), 1, "{text}");
+            assert_eq!(
+                lower.matches("\r\ncontent-length: 2\r\n").count(),
+                1,
+                "{text}"
+            );
+            assert!(!lower.contains("keep-alive"), "{text}");
+            assert_eq!(
+                lower.matches("\r\nx-ratelimit-remaining: ").count(),
+                usize::from(path == "/limited"),
+                "{text}"
+            );
+            texts.push(text);
+        }
+        assert!(texts[0].contains("\r\nDate: Sun, 06 Nov 1994 08:49:37 GMT\r\nX-A:1\r\n"));
+        assert!(texts[1].contains("\r\nX-B: 2\r\n"), "{}", texts[1]);
+        assert!(texts[2].contains("\r\nX-C: 3\r\n"), "{}", texts[2]);
+        assert!(
+            texts[3].contains("\r\nX-D: 4\r\nX-E: 5\r\n"),
+            "{}",
+            texts[3]
+        );
+    }
+}

@@ -20,6 +20,7 @@ use crate::ascii::eq_lower;
 use crate::config::{Upstream, UpstreamServer};
 use crate::front::line;
 use crate::proxy::RequestBody;
+use crate::proxy::h1::HeadBuf;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -202,7 +203,7 @@ pub fn upstream_head(
     peer: IpAddr,
     host: Option<&HeaderValue>,
     https: bool,
-) -> Result<Vec<u8>, &'static str> {
+) -> Result<HeadBuf, &'static str> {
     let uri = req.uri();
     let target = upstream_target(uri, server)?;
     let pq = match &target {
@@ -216,7 +217,8 @@ pub fn upstream_head(
         .sum();
     // The line, the client's fields, the four set here (at most a host and
     // an address each, with their names), the blank line.
-    let mut head = Vec::with_capacity(req.method().as_str().len() + pq.len() + 13 + fields + 160);
+    let mut head =
+        HeadBuf::with_capacity(req.method().as_str().len() + pq.len() + 13 + fields + 160);
     head.extend_from_slice(req.method().as_str().as_bytes());
     head.push(b' ');
     head.extend_from_slice(pq.as_bytes());

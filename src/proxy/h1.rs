@@ -56,6 +56,58 @@ pub enum H1Error {
     CutShort,
 }
 
+/// A request head's bytes, in a buffer the thread keeps for a later head
+/// when this one is done with: an allocation fewer a request. Each request
+/// in flight holds one (its head is kept for a resend), so the thread keeps
+/// up to [`MAX_SPARE_HEADS`].
+pub struct HeadBuf(Vec<u8>);
+
+/// Spare head buffers a thread keeps (see [`HeadBuf`]).
+const MAX_SPARE_HEADS: usize = 256;
+
+thread_local! {
+    static SPARE_HEADS: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl HeadBuf {
+    /// An empty buffer, with room for `len` bytes.
+    pub fn with_capacity(len: usize) -> HeadBuf {
+        let mut buf = SPARE_HEADS
+            .with_borrow_mut(|spare| spare.pop())
+            .unwrap_or_default();
+        buf.reserve(len);
+        HeadBuf(buf)
+    }
+}
+
+impl std::ops::Deref for HeadBuf {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for HeadBuf {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.0
+    }
+}
+
+impl Drop for HeadBuf {
+    fn drop(&mut self) {
+        // A rare large head's buffer is not kept.
+        if self.0.capacity() <= 4096 {
+            let mut buf = std::mem::take(&mut self.0);
+            buf.clear();
+            SPARE_HEADS.with_borrow_mut(|spare| {
+                if spare.len() < MAX_SPARE_HEADS {
+                    spare.push(buf);
+                }
+            });
+        }
+    }
+}
+
 /// An open connection to an upstream and what was read from it.
 pub struct Conn {
     stream: TcpStream,
@@ -169,23 +221,45 @@ fn parse_head(
     // What framing and keep-alive depend on, noted on the way.
     let mut said = Said::default();
     let mut spans: SmallVec<[[u32; 4]; 12]> = SmallVec::new();
+    let mut dated = false;
+    let mut rate_limit_like = false;
+    // Whether the kept fields lie back to back, each line ended by CRLF.
+    let mut adjacent = true;
     for h in parsed.headers.iter() {
         let (name, value) = (h.name.as_bytes(), h.value);
         said.note(name, value);
         // The connection's fields (`Connection: keep-alive`...) say what
         // they say to `said`, and are not the answer's.
         if !super::forward::lone_hop(name, value) {
+            dated |= eq_lower(name, b"date");
+            rate_limit_like |= is_rate_limit_like(name);
             let (n, v) = (
                 name.as_ptr() as usize - start,
                 value.as_ptr() as usize - start,
             );
+            let w = v + value.len();
+            adjacent &= buf.get(w..w + 2) == Some(&b"\r\n"[..])
+                && spans
+                    .last()
+                    .is_none_or(|&[.., prev]| prev as usize + 2 == n);
             // A head is at most MAX_HEAD and one read long: u32 holds it.
-            spans.push([n, n + name.len(), v, v + value.len()].map(|at| at as u32));
+            spans.push([n, n + name.len(), v, w].map(|at| at as u32));
         }
     }
+    let block = match (adjacent, said.length, spans.first(), spans.last()) {
+        (true, Ok(length), Some(&[from, ..]), Some(&[.., to])) => Some(Block {
+            from,
+            to: to + 2,
+            length,
+        }),
+        _ => None,
+    };
     let fields = Fields {
         head: buf.split_to(len).freeze(),
         spans,
+        dated,
+        rate_limit_like,
+        block,
     };
     said.keep = match version {
         Version::HTTP_10 => said.keep_alive,
@@ -217,9 +291,35 @@ pub struct Fields {
     head: Bytes,
     /// Name from, to; value from, to.
     spans: SmallVec<[[u32; 4]; 12]>,
+    /// Whether one of them is `Date`.
+    pub dated: bool,
+    /// Whether one of them may be a rate-limit field sluice writes itself
+    /// (`X-RateLimit-*`, `RateLimit*`), to be left out for sluice's own.
+    pub rate_limit_like: bool,
+    /// Where they lie back to back, if they do (see [`Fields::block`]).
+    block: Option<Block>,
+}
+
+/// Fields that are one stretch of their head.
+struct Block {
+    /// From the first name to the last line's CRLF, included.
+    from: u32,
+    to: u32,
+    /// The `Content-Length`, checked (see `Said`).
+    length: Option<u64>,
 }
 
 impl Fields {
+    /// All the fields as one stretch of lines, each ended by CRLF, with the
+    /// answer's `Content-Length`, when they came so: as usual, nothing was
+    /// taken from between them (a `Connection` comes first or last) and no
+    /// line ended in a bare LF or blanks. Then they are written in one copy,
+    /// not line by line (about 300 instructions of a proxied `GET`).
+    pub fn block(&self) -> Option<(&[u8], Option<u64>)> {
+        let b = self.block.as_ref()?;
+        Some((&self.head[b.from as usize..b.to as usize], b.length))
+    }
+
     /// Each field as its name and its value.
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.spans.iter().map(|&[n, m, v, w]| {
@@ -239,6 +339,15 @@ impl Fields {
             }
         }
     }
+}
+
+/// Whether `name` (in any case) starts `RateLimit` or `X-RateLimit`.
+fn is_rate_limit_like(name: &[u8]) -> bool {
+    let name = match name {
+        [b'x' | b'X', b'-', rest @ ..] => rest,
+        _ => name,
+    };
+    name.get(..9).is_some_and(|n| eq_lower(n, b"ratelimit"))
 }
 
 /// What an answer's head says about its body's framing and its connection.
@@ -547,6 +656,49 @@ mod tests {
             &["5x", "5"],
         ] {
             assert!(length(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// The block of fields written in one copy is exactly the kept lines,
+    /// and there is none when a line between them was dropped or a line
+    /// does not end as the client must see it end.
+    #[test]
+    fn fields_lying_back_to_back_are_one_block() {
+        let parse = |head: &str| {
+            let mut buf = BytesMut::from(head);
+            let (_, _, fields) = parse_head(&mut buf).unwrap().unwrap();
+            fields.unwrap()
+        };
+        let usual = parse(
+            "HTTP/1.1 200 OK\r\nServer: up\r\nDate: x\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok",
+        );
+        assert_eq!(
+            usual.block(),
+            Some((
+                &b"Server: up\r\nDate: x\r\nContent-Length: 2\r\n"[..],
+                Some(2)
+            ))
+        );
+        assert!(usual.dated && !usual.rate_limit_like);
+        for name in ["X-RateLimit-Remaining", "ratelimit", "RateLimit-Policy"] {
+            assert!(parse(&format!("HTTP/1.1 200 OK\r\n{name}: 1\r\n\r\n")).rate_limit_like);
+        }
+        let first = parse("HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nX-A:1\r\n\r\n");
+        assert_eq!(first.block(), Some((&b"X-A:1\r\n"[..], None)));
+        assert!(!first.dated);
+        for head in [
+            // A line dropped from between them.
+            "HTTP/1.1 200 OK\r\nX-A: 1\r\nKeep-Alive: timeout=5\r\nX-B: 2\r\n\r\n",
+            // A bare LF, blanks after a value.
+            "HTTP/1.1 200 OK\r\nX-A: 1\nX-B: 2\r\n\r\n",
+            "HTTP/1.1 200 OK\nX-A: 1\n\n",
+            "HTTP/1.1 200 OK\r\nX-A: 1 \r\n\r\n",
+            // No fields at all.
+            "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
+        ] {
+            let fields = parse(head);
+            assert!(fields.block().is_none(), "{head:?}");
+            assert!(fields.iter().count() <= 2);
         }
     }
 

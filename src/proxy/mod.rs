@@ -2,7 +2,8 @@
 //! [`RequestCtx`] carrying what each phase learns:
 //!
 //! 1. **match**: the route (404 if none), after the request's own checks (400, 431);
-//! 2. **identify**: the client address (trusted proxies considered);
+//! 2. **identify**: the client address (trusted proxies considered), when a
+//!    policy will count it;
 //! 3. **decide**: the limiter's verdict (429 ends the request here);
 //! 4. **forward**: to the upstream, or the route's own `respond`;
 //! 5. **settle**: refund or charge now that the status is known;
@@ -379,13 +380,13 @@ impl Proxy {
             .ok_or(ProxyError::NoRoute)?;
         ctx.route = Some(route.name.clone());
 
-        // 2. identify
-        let client = identity::client_ip(peer.ip(), req.headers(), &config.server.trusted_proxies);
-
-        // 3. decide
+        // 2. identify and 3. decide: only a route with a policy needs the
+        // client's address (the upstream learns it from X-Forwarded-For).
         let mut ticket: Option<Ticket> = None;
         let mut binding: Option<Binding> = None;
         if let Some(policy) = &route.policy {
+            let client =
+                identity::client_ip(peer.ip(), req.headers(), &config.server.trusted_proxies);
             // Not timed for the memory store: its decisions take about a
             // microsecond (all in the histogram's first bucket), and the two
             // clock reads cost a fifth of that.
