@@ -25,6 +25,7 @@ use smallvec::SmallVec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::plain_head::{self, Head};
 use crate::ascii::eq_lower;
 
 /// The most header fields an answer head (or its trailers) may have.
@@ -197,25 +198,26 @@ fn parse_head(
     if buf.is_empty() {
         return Ok(None);
     }
-    let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
-    let mut parsed = httparse::Response::new(&mut []);
-    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
-        &mut parsed,
-        buf,
-        &mut slots,
-    ) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(e) => return Err(H1Error::Head(e)),
+    // The usual plain head quickly, any other by httparse.
+    let mut read = plain_head::Fields::new();
+    let head = match plain_head::parse(buf, MAX_HEADERS, &mut read) {
+        Some(head) => head,
+        None => {
+            read.clear();
+            match parse_other(buf, &mut read)? {
+                Some(head) => head,
+                None => return Ok(None),
+            }
+        }
     };
-    let code = parsed.code.unwrap_or(0);
-    let status =
-        StatusCode::from_u16(code).map_err(|_| H1Error::Framing("a status code out of range"))?;
-    let version = if parsed.version == Some(0) {
+    let status = StatusCode::from_u16(head.code)
+        .map_err(|_| H1Error::Framing("a status code out of range"))?;
+    let version = if head.http10 {
         Version::HTTP_10
     } else {
         Version::HTTP_11
     };
+    let len = head.len;
     // The fields stay where they were read: spans of the head, not copies.
     let start = buf.as_ptr() as usize;
     // What framing and keep-alive depend on, noted on the way.
@@ -225,8 +227,7 @@ fn parse_head(
     let mut rate_limit_like = false;
     // Whether the kept fields lie back to back, each line ended by CRLF.
     let mut adjacent = true;
-    for h in parsed.headers.iter() {
-        let (name, value) = (h.name.as_bytes(), h.value);
+    for &(name, value) in &read {
         said.note(name, value);
         // The connection's fields (`Connection: keep-alive`...) say what
         // they say to `said`, and are not the answer's.
@@ -246,6 +247,8 @@ fn parse_head(
             spans.push([n, n + name.len(), v, w].map(|at| at as u32));
         }
     }
+    // Its slices of `buf` are spans now; `buf` is split next.
+    drop(read);
     let block = match (adjacent, said.length, spans.first(), spans.last()) {
         (true, Ok(length), Some(&[from, ..]), Some(&[.., to])) => Some(Block {
             from,
@@ -278,6 +281,31 @@ fn parse_head(
     fields.append_to(&mut headers);
     *resp.headers_mut() = headers;
     Ok(Some((resp, said, None)))
+}
+
+/// httparse's reading of a head that is not plain (see
+/// [`super::plain_head`]): `None` while it is not all there.
+fn parse_other<'b>(
+    buf: &'b [u8],
+    fields: &mut plain_head::Fields<'b>,
+) -> Result<Option<Head>, H1Error> {
+    let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut parsed,
+        buf,
+        &mut slots,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(H1Error::Head(e)),
+    };
+    fields.extend(parsed.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
+    Ok(Some(Head {
+        len,
+        code: parsed.code.unwrap_or(0),
+        http10: parsed.version == Some(0),
+    }))
 }
 
 /// An answer's header fields as the upstream sent them, in order, but for
