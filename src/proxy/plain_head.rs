@@ -13,8 +13,9 @@
 //! httparse's to judge.
 //!
 //! Why: httparse took about 1,400 instructions for nginx's five-field
-//! answer, 10 % of a proxied `GET` (callgrind); this takes about a third.
-//! Its values are checked eight bytes at a time.
+//! answer, 10 % of a proxied `GET` (callgrind); this takes about 850 (its
+//! values are checked eight bytes at a time, its names a byte at a time),
+//! and a proxied `GET` about 230 fewer in all.
 
 use smallvec::SmallVec;
 
