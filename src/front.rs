@@ -49,7 +49,7 @@ use tokio::sync::watch;
 use crate::ascii::eq_lower;
 use crate::idle::Idle;
 use crate::limiter::KeyCache;
-use crate::proxy::{Body, Limits, Proxy, ProxyError, RequestBody};
+use crate::proxy::{Body, Limits, Proxy, ProxyError, RequestBody, plain_head};
 
 /// The most a request head may take here; a longer one goes to hyper, whose
 /// limit is `server.max_header_bytes`.
@@ -227,41 +227,37 @@ fn parse(buf: &mut BytesMut) -> Parsed {
     if buf.is_empty() {
         return Parsed::Partial;
     }
-    let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
-    let mut parsed = httparse::Request::new(&mut []);
-    let len = match parsed.parse_with_uninit_headers(buf, &mut slots) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Parsed::Partial,
-        // hyper takes more lines (and answers 431 above its limit).
-        Err(httparse::Error::TooManyHeaders) => return Parsed::Other,
-        // hyper would answer these with a bare 400: the same parser, the
-        // same settings. A client that sent the HTTP/2 preface never gets
-        // here (see `server::starts_as_http1`).
-        Err(e) => return Parsed::Malformed(malformed(e)),
+    // The usual plain head quickly, any other by httparse.
+    let mut read = plain_head::Fields::new();
+    let (len, method, target) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read) {
+        Some(line) => (line.len, line.method, line.target),
+        None => {
+            read.clear();
+            match parse_other(buf, &mut read) {
+                Ok(line) => line,
+                Err(Instead::Partial) => return Parsed::Partial,
+                Err(Instead::Hyper) => return Parsed::Other,
+                Err(Instead::Refuse(why)) => return Parsed::Malformed(why),
+            }
+        }
     };
-    if parsed.version != Some(1) {
-        return Parsed::Other;
-    }
-    let method = match parsed.method.map(|m| Method::from_bytes(m.as_bytes())) {
-        Some(Ok(m)) if m != Method::CONNECT => m,
+    let method = match Method::from_bytes(method) {
+        Ok(m) if m != Method::CONNECT => m,
         _ => return Parsed::Other,
     };
     // The target and the values stay where they were read: slices of the
     // head, not copies.
     let start = buf.as_ptr() as usize;
-    let Some(target) = parsed.path else {
-        return Parsed::Other;
-    };
     let target = (target.as_ptr() as usize - start, target.len());
     let mut close = false;
     let mut fields: SmallVec<[(HeaderName, usize, usize); 16]> = SmallVec::new();
-    for h in parsed.headers.iter() {
-        let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else {
+    for &(name, value) in &read {
+        let Ok(name) = HeaderName::from_bytes(name) else {
             return Parsed::Other;
         };
         if name == header::CONTENT_LENGTH {
             // An empty body said in so many words is still none.
-            if h.value != b"0" {
+            if value != b"0" {
                 return Parsed::Other;
             }
         } else if name == header::TRANSFER_ENCODING
@@ -271,14 +267,15 @@ fn parse(buf: &mut BytesMut) -> Parsed {
         {
             return Parsed::Other;
         } else if name == header::CONNECTION {
-            close |= h
-                .value
+            close |= value
                 .split(|&b| b == b',')
                 .any(|t| eq_lower(t.trim_ascii(), b"close"));
         }
-        let at = h.value.as_ptr() as usize - start;
-        fields.push((name, at, at + h.value.len()));
+        let at = value.as_ptr() as usize - start;
+        fields.push((name, at, at + value.len()));
     }
+    // Its slices of `buf` are offsets now; `buf` is split next.
+    drop(read);
     let head = buf.split_to(len).freeze();
     match build(&head, target, method, &mut fields) {
         Some(req) => Parsed::Request(req, close),
@@ -291,6 +288,40 @@ fn parse(buf: &mut BytesMut) -> Parsed {
             Parsed::Other
         }
     }
+}
+
+/// What becomes of a head httparse does not give back (see [`Parsed`]).
+enum Instead {
+    Partial,
+    Hyper,
+    Refuse(&'static str),
+}
+
+/// httparse's reading of a request head that is not plain (see
+/// [`plain_head`]): its length, method and target, its fields added to
+/// `fields`; or what to do with it instead.
+fn parse_other<'b>(
+    buf: &'b [u8],
+    fields: &mut plain_head::Fields<'b>,
+) -> Result<(usize, &'b [u8], &'b [u8]), Instead> {
+    let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let len = match parsed.parse_with_uninit_headers(buf, &mut slots) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Err(Instead::Partial),
+        // hyper takes more lines (and answers 431 above its limit).
+        Err(httparse::Error::TooManyHeaders) => return Err(Instead::Hyper),
+        // hyper would answer these with a bare 400: the same parser, the
+        // same settings. A client that sent the HTTP/2 preface never gets
+        // here (see `server::starts_as_http1`).
+        Err(e) => return Err(Instead::Refuse(malformed(e))),
+    };
+    // HTTP/1.0 goes to hyper.
+    let (Some(1), Some(method), Some(target)) = (parsed.version, parsed.method, parsed.path) else {
+        return Err(Instead::Hyper);
+    };
+    fields.extend(parsed.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
+    Ok((len, method.as_bytes(), target.as_bytes()))
 }
 
 /// What the client is told about a head httparse refused.

@@ -12,14 +12,15 @@
 //! - `forward.rs`: request/response rewriting for the upstream;
 //! - `pool.rs`: the upstream client and its keep-alive connections;
 //! - `h1.rs`: sluice's own HTTP/1.1 exchange, for requests without a body;
-//! - `plain_head.rs`: its quick parser for the usual answer head;
+//! - `plain_head.rs`: the quick parser for usual heads (answers here,
+//!   requests in `crate::front`);
 //! - `error.rs`: the errors sluice answers itself, as problem+json;
 //! - `ratelimit_headers.rs`: the `X-RateLimit-*` / IETF headers.
 
 mod error;
 mod forward;
 mod h1;
-mod plain_head;
+pub(crate) mod plain_head;
 mod pool;
 mod ratelimit_headers;
 

@@ -51,14 +51,58 @@ pub fn parse<'b>(buf: &'b [u8], max_fields: usize, fields: &mut Fields<'b>) -> O
         .iter()
         .fold(0u16, |n, &d| n * 10 + u16::from(d - b'0'));
     // The reason phrase is not used, only checked.
-    let mut at = crlf_after(buf, text_end(buf, 13))?;
+    let at = crlf_after(buf, text_end(buf, 13))?;
+    let len = fields_from(buf, at, max_fields, fields)?;
+    Some(Head { len, code, http10 })
+}
+
+/// A request head's line as read.
+pub struct RequestLine<'b> {
+    /// The head's length, up to and with the blank line.
+    pub len: usize,
+    pub method: &'b [u8],
+    pub target: &'b [u8],
+}
+
+/// The HTTP/1.1 request head at the front of `buf` if it is whole and plain
+/// (as an answer's, see the module's doc; its method a token, its target
+/// visible ASCII), with at most `max_fields` fields, which are added to
+/// `fields`; otherwise `None`, and `fields` may hold some of them.
+pub fn parse_request<'b>(
+    buf: &'b [u8],
+    max_fields: usize,
+    fields: &mut Fields<'b>,
+) -> Option<RequestLine<'b>> {
+    let mut at = 0;
+    while TOKEN[usize::from(*buf.get(at)?)] {
+        at += 1;
+    }
+    if at == 0 || buf[at] != b' ' {
+        return None;
+    }
+    let from = at + 1;
+    let to = visible_end(buf, from);
+    if to == from || buf.get(to..to + 11)? != b" HTTP/1.1\r\n" {
+        return None;
+    }
+    let len = fields_from(buf, to + 11, max_fields, fields)?;
+    Some(RequestLine {
+        len,
+        method: &buf[..at],
+        target: &buf[from..to],
+    })
+}
+
+/// The field lines from `at` on, then the blank line: the head's length.
+fn fields_from<'b>(
+    buf: &'b [u8],
+    mut at: usize,
+    max_fields: usize,
+    fields: &mut Fields<'b>,
+) -> Option<usize> {
     loop {
         if buf.get(at..at + 2)? == b"\r\n" {
-            return Some(Head {
-                len: at + 2,
-                code,
-                http10,
-            });
+            return Some(at + 2);
         }
         let mut name_end = at;
         while TOKEN[usize::from(*buf.get(name_end)?)] {
@@ -88,30 +132,43 @@ fn crlf_after(buf: &[u8], at: usize) -> Option<usize> {
 
 /// The first byte from `at` on that is not text (a tab, or 0x20 to 0x7E),
 /// or the end of `buf`.
-fn text_end(buf: &[u8], mut at: usize) -> usize {
+fn text_end(buf: &[u8], at: usize) -> usize {
+    run_end::<0x20, true>(buf, at)
+}
+
+/// The first byte from `at` on that is not visible ASCII (0x21 to 0x7E),
+/// or the end of `buf`.
+fn visible_end(buf: &[u8], at: usize) -> usize {
+    run_end::<0x21, false>(buf, at)
+}
+
+/// The first byte from `at` on that is below `LOW` (but a tab, if `TAB`) or
+/// 0x7F and above, or the end of `buf`: eight bytes at a time.
+fn run_end<const LOW: u8, const TAB: bool>(buf: &[u8], mut at: usize) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGHS: u64 = 0x8080_8080_8080_8080;
+    let low = ONES * u64::from(LOW);
     while let Some(eight) = buf.get(at..at + 8) {
         let mut word = [0u8; 8];
         word.copy_from_slice(eight);
         let x = u64::from_le_bytes(word);
-        // A high bit for each byte below 0x20, and for each of 0x7F and
+        // A high bit for each byte below LOW, and for each of 0x7F and
         // above. A borrow or carry only ever marks bytes after a marked
         // one, so the lowest mark is exact.
-        let marks = (x.wrapping_sub(ONES * 0x20) & !x | x | x.wrapping_add(ONES)) & HIGHS;
+        let marks = (x.wrapping_sub(low) & !x | x | x.wrapping_add(ONES)) & HIGHS;
         if marks == 0 {
             at += 8;
             continue;
         }
         let first = at + (marks.trailing_zeros() / 8) as usize;
-        if buf[first] != b'\t' {
+        if !(TAB && buf[first] == b'\t') {
             return first;
         }
         at = first + 1;
     }
     while buf
         .get(at)
-        .is_some_and(|&b| b == b'\t' || (0x20..0x7F).contains(&b))
+        .is_some_and(|&b| (TAB && b == b'\t') || (LOW..0x7F).contains(&b))
     {
         at += 1;
     }
@@ -179,6 +236,67 @@ mod tests {
         Some((head.len, head.code, head.http10, fields))
     }
 
+    /// A reading of a request head: length, method, target, fields.
+    type RequestReading = Option<(usize, Vec<u8>, Vec<u8>, Vec<(Vec<u8>, Vec<u8>)>)>;
+
+    fn httparse_reads_request(buf: &[u8]) -> RequestReading {
+        let mut slots = [httparse::EMPTY_HEADER; 100];
+        let mut req = httparse::Request::new(&mut slots);
+        let len = match req.parse(buf) {
+            Ok(httparse::Status::Complete(len)) if req.version == Some(1) => len,
+            _ => return None,
+        };
+        let fields = req
+            .headers
+            .iter()
+            .map(|h| (h.name.as_bytes().to_vec(), h.value.to_vec()))
+            .collect();
+        let (method, target) = (req.method?.as_bytes(), req.path?.as_bytes());
+        Some((len, method.to_vec(), target.to_vec(), fields))
+    }
+
+    fn plain_reads_request(buf: &[u8]) -> RequestReading {
+        let mut fields = Fields::new();
+        let line = parse_request(buf, 100, &mut fields)?;
+        let fields = fields
+            .iter()
+            .map(|(n, v)| (n.to_vec(), v.to_vec()))
+            .collect();
+        Some((line.len, line.method.to_vec(), line.target.to_vec(), fields))
+    }
+
+    const WRK: &[u8] = b"GET / HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n";
+
+    #[test]
+    fn usual_requests_are_plain_and_read_as_httparse_reads_them() {
+        let heads: &[&[u8]] = &[
+            WRK,
+            b"POST /a/b?c=d&e=%20f#x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nAccept: */*\r\n\r\n",
+            b"GET http://a.example/x HTTP/1.1\r\n\r\n",
+            b"M-SEARCH * HTTP/1.1\r\nX:\r\n\r\nnext",
+        ];
+        for &head in heads {
+            let plain = plain_reads_request(head);
+            assert!(plain.is_some(), "{:?}", String::from_utf8_lossy(head));
+            let httparse = httparse_reads_request(head);
+            assert_eq!(plain, httparse, "{:?}", String::from_utf8_lossy(head));
+        }
+        let others: &[&[u8]] = &[
+            b"GET / HTTP/1.0\r\n\r\n",
+            b"GET /caf\xc3\xa9 HTTP/1.1\r\n\r\n",
+            b"GET  / HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1\n\n",
+            b"GET / HTTP/1.1\r\nHost: a\r\n",
+            b"\r\nGET / HTTP/1.1\r\n\r\n",
+            b"G(T / HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1 \r\n\r\n",
+        ];
+        for &head in others {
+            let plain = parse_request(head, 100, &mut Fields::new()).is_some();
+            assert!(!plain, "{:?}", String::from_utf8_lossy(head));
+        }
+    }
+
     const NGINX: &[u8] =
         b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 23 Nov 2026 10:00:00 GMT\r\n\
         Content-Type: text/plain\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok";
@@ -242,6 +360,7 @@ mod tests {
     /// head taken here is always read as httparse reads it.
     #[test]
     fn a_head_taken_here_reads_as_httparse_reads_it_whatever_its_bytes() {
+        // Answer heads first, then request heads.
         let seeds: &[&[u8]] = &[
             NGINX,
             b"HTTP/1.0 302 Found\r\nLocation: /x\r\nX:\r\nX-T: a\tb\r\n\r\n",
@@ -281,6 +400,42 @@ mod tests {
             }
         }
         // Enough of both kinds to mean something.
+        assert!(
+            taken > total / 10 && taken < total * 9 / 10,
+            "{taken} of {total}"
+        );
+
+        // The same for request heads.
+        let seeds: &[&[u8]] = &[
+            WRK,
+            b"POST /a?b=%20 HTTP/1.1\r\nHost: a\r\nX-T: a\tb\r\nX:\r\n\r\n",
+        ];
+        let (mut taken, mut total) = (0, 0);
+        for _ in 0..30_000 {
+            let mut head = seeds[random(seeds.len())].to_vec();
+            for _ in 0..1 + random(3) {
+                let at = random(head.len());
+                let b = bytes[random(bytes.len())];
+                match random(3) {
+                    0 => head[at] = b,
+                    1 => head.insert(at, b),
+                    _ => {
+                        head.remove(at);
+                    }
+                }
+            }
+            total += 1;
+            if let Some(plain) = plain_reads_request(&head) {
+                taken += 1;
+                let httparse = httparse_reads_request(&head);
+                assert_eq!(
+                    Some(plain),
+                    httparse,
+                    "{:?}",
+                    String::from_utf8_lossy(&head)
+                );
+            }
+        }
         assert!(
             taken > total / 10 && taken < total * 9 / 10,
             "{taken} of {total}"
