@@ -228,7 +228,7 @@ fn parse(buf: &mut BytesMut) -> Parsed {
         return Parsed::Partial;
     }
     // The usual plain head quickly, any other by httparse.
-    let mut read = plain_head::Fields::new();
+    let mut read = plain_head::ReadFields::new();
     let (len, method, target) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read) {
         Some(line) => (line.len, line.method, line.target),
         None => {
@@ -302,7 +302,7 @@ enum Instead {
 /// `fields`; or what to do with it instead.
 fn parse_other<'b>(
     buf: &'b [u8],
-    fields: &mut plain_head::Fields<'b>,
+    fields: &mut plain_head::ReadFields<'b>,
 ) -> Result<(usize, &'b [u8], &'b [u8]), Instead> {
     let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut []);

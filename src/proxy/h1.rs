@@ -199,7 +199,7 @@ fn parse_head(
         return Ok(None);
     }
     // The usual plain head quickly, any other by httparse.
-    let mut read = plain_head::Fields::new();
+    let mut read = plain_head::ReadFields::new();
     let head = match plain_head::parse(buf, MAX_HEADERS, &mut read) {
         Some(head) => head,
         None => {
@@ -287,7 +287,7 @@ fn parse_head(
 /// [`super::plain_head`]): `None` while it is not all there.
 fn parse_other<'b>(
     buf: &'b [u8],
-    fields: &mut plain_head::Fields<'b>,
+    fields: &mut plain_head::ReadFields<'b>,
 ) -> Result<Option<Head>, H1Error> {
     let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
     let mut parsed = httparse::Response::new(&mut []);

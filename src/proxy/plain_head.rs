@@ -34,12 +34,12 @@ pub struct Head {
 
 /// Each field's name and value, in order (the value without blanks around
 /// it). Filled in place: returned, it would be copied (half a kilobyte).
-pub type Fields<'b> = SmallVec<[(&'b [u8], &'b [u8]); 16]>;
+pub type ReadFields<'b> = SmallVec<[(&'b [u8], &'b [u8]); 16]>;
 
 /// The head at the front of `buf` if it is whole and plain, with at most
 /// `max_fields` fields, which are added to `fields`; otherwise `None`, and
 /// `fields` may hold some of them.
-pub fn parse<'b>(buf: &'b [u8], max_fields: usize, fields: &mut Fields<'b>) -> Option<Head> {
+pub fn parse<'b>(buf: &'b [u8], max_fields: usize, fields: &mut ReadFields<'b>) -> Option<Head> {
     let line = buf.get(..13)?;
     let http10 = match &line[..9] {
         b"HTTP/1.1 " => false,
@@ -74,7 +74,7 @@ pub struct RequestLine<'b> {
 pub fn parse_request<'b>(
     buf: &'b [u8],
     max_fields: usize,
-    fields: &mut Fields<'b>,
+    fields: &mut ReadFields<'b>,
 ) -> Option<RequestLine<'b>> {
     let mut at = 0;
     while TOKEN[usize::from(*buf.get(at)?)] {
@@ -101,7 +101,7 @@ fn fields_from<'b>(
     buf: &'b [u8],
     mut at: usize,
     max_fields: usize,
-    fields: &mut Fields<'b>,
+    fields: &mut ReadFields<'b>,
 ) -> Option<usize> {
     loop {
         if buf.get(at..at + 2)? == b"\r\n" {
@@ -230,7 +230,7 @@ mod tests {
     }
 
     fn plain_reads(buf: &[u8]) -> Reading {
-        let mut fields = Fields::new();
+        let mut fields = ReadFields::new();
         let head = parse(buf, 100, &mut fields)?;
         let fields = fields
             .iter()
@@ -259,7 +259,7 @@ mod tests {
     }
 
     fn plain_reads_request(buf: &[u8]) -> RequestReading {
-        let mut fields = Fields::new();
+        let mut fields = ReadFields::new();
         let line = parse_request(buf, 100, &mut fields)?;
         let fields = fields
             .iter()
@@ -295,7 +295,7 @@ mod tests {
             b"GET / HTTP/1.1 \r\n\r\n",
         ];
         for &head in others {
-            let plain = parse_request(head, 100, &mut Fields::new()).is_some();
+            let plain = parse_request(head, 100, &mut ReadFields::new()).is_some();
             assert!(!plain, "{:?}", String::from_utf8_lossy(head));
         }
     }
@@ -323,7 +323,7 @@ mod tests {
                 String::from_utf8_lossy(head)
             );
         }
-        let mut fields = Fields::new();
+        let mut fields = ReadFields::new();
         let head = parse(NGINX, 100, &mut fields).unwrap();
         assert_eq!((head.code, head.http10, fields.len()), (200, false, 5));
         assert_eq!(&NGINX[head.len..], b"ok");
@@ -351,12 +351,12 @@ mod tests {
             b"HTTP/1.1 200 O",
         ];
         for &head in heads {
-            let plain = parse(head, 100, &mut Fields::new()).is_some();
+            let plain = parse(head, 100, &mut ReadFields::new()).is_some();
             assert!(!plain, "{:?}", String::from_utf8_lossy(head));
         }
         // More fields than asked for.
-        assert!(parse(NGINX, 4, &mut Fields::new()).is_none());
-        assert!(parse(NGINX, 5, &mut Fields::new()).is_some());
+        assert!(parse(NGINX, 4, &mut ReadFields::new()).is_none());
+        assert!(parse(NGINX, 5, &mut ReadFields::new()).is_some());
     }
 
     /// Heads made by changing, adding or taking out bytes of usual ones: a
