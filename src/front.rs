@@ -49,7 +49,7 @@ use tokio::sync::watch;
 use crate::ascii::eq_lower;
 use crate::idle::Idle;
 use crate::limiter::KeyCache;
-use crate::proxy::{Body, Limits, Proxy, ProxyError, RequestBody, plain_head};
+use crate::proxy::{Answer, Body, Limits, Proxy, ProxyError, RequestBody, plain_head};
 
 /// The most a request head may take here; a longer one goes to hyper, whose
 /// limit is `server.max_header_bytes`.
@@ -108,8 +108,8 @@ pub async fn serve(
                     return Ok(Served::Handoff(Rewind::new(stream, buf)));
                 }
                 Parsed::Malformed(why) => {
-                    let resp = ProxyError::BadRequest(why).response();
-                    write_response(&mut stream, &mut out, resp, None, false, false).await?;
+                    let mut resp = ProxyError::BadRequest(why).response();
+                    write_response(&mut stream, &mut out, &mut resp, None, false, false).await?;
                     return Ok(Served::Closed);
                 }
             }
@@ -125,27 +125,29 @@ pub async fn serve(
         };
         let head_only = req.method() == Method::HEAD;
         let in_flight = client.idle.clone().begin();
-        // The request, or the client gone first, each polled where it is
-        // pinned (`select!` made more copies of the request's future).
-        let resp = {
+        // The request, or the client gone first (leaving no answer), each
+        // polled where it is pinned (`select!` made more copies of the
+        // request's future).
+        let mut answer = None;
+        {
             let mut handling = pin!(client.proxy.handle(
                 &mut req,
                 client.peer,
                 client.keys,
-                Some(timer.as_mut())
+                Some(timer.as_mut()),
+                &mut answer,
             ));
             let mut gone = pin!(client_gone(&mut stream, &mut buf));
             poll_fn(|cx| match handling.as_mut().poll(cx) {
-                Poll::Ready(resp) => Poll::Ready(Some(resp)),
-                Poll::Pending => gone.as_mut().poll(cx).map(|()| None),
+                Poll::Ready(()) => Poll::Ready(()),
+                Poll::Pending => gone.as_mut().poll(cx),
             })
-            .await
-        };
-        let Some(resp) = resp else {
+            .await;
+        }
+        let Some(Answer { resp, limits }) = &mut answer else {
             return Ok(Served::Closed);
         };
         let keep = !close && !signal.has_changed().unwrap_or(true);
-        let (resp, limits) = resp;
         let again = write_response(
             &mut stream,
             &mut out,
@@ -155,6 +157,7 @@ pub async fn serve(
             keep,
         )
         .await?;
+        drop(answer);
         drop(in_flight);
         if !again {
             return Ok(Served::Closed);
@@ -389,23 +392,22 @@ enum Framing {
     Close,
 }
 
-/// Writes `resp`; `Ok(true)` when it went out whole and framed and neither
-/// side asked to close (`keep` false: the client did, or shutdown), so the
-/// connection can take another request.
+/// Writes `resp` (lent: moved, it was copied twice); `Ok(true)` when it
+/// went out whole and framed and neither side asked to close (`keep` false:
+/// the client did, or shutdown), so the connection can take another request.
 async fn write_response(
     stream: &mut TcpStream,
     out: &mut Vec<u8>,
-    resp: Response<Body>,
+    resp: &mut Response<Body>,
     limits: Option<&Limits>,
     head_only: bool,
     keep: bool,
 ) -> io::Result<bool> {
-    let (parts, mut body) = resp.into_parts();
-    let fields = match &mut body {
+    let fields = match resp.body_mut() {
         Either::Left(body) => body.take_fields(),
         Either::Right(_) => None,
     };
-    let status = parts.status;
+    let status = resp.status();
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
@@ -450,7 +452,7 @@ async fn write_response(
             field(name, value);
         }
     }
-    for (name, value) in parts.headers.iter() {
+    for (name, value) in resp.headers() {
         field(name.as_str().as_bytes(), value.as_bytes());
     }
     if let Some(limits) = limits {
@@ -462,7 +464,7 @@ async fn write_response(
     let bodiless = status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    let framing = match (length, body.size_hint().exact()) {
+    let framing = match (length, resp.body().size_hint().exact()) {
         (Some(Some(n)), _) => Framing::Length(n),
         (Some(None), _) => Framing::Close,
         (None, _) if bodiless => Framing::None,
@@ -487,20 +489,22 @@ async fn write_response(
     }
     out.extend_from_slice(b"\r\n");
     if framing == Framing::None {
-        drop(body);
+        // Its connection, if any, is let go before the client's write.
+        *resp.body_mut() = Either::Right(Default::default());
         stream.write_all(out).await?;
         return Ok(keep);
     }
 
+    let body = resp.body_mut();
     let mut sent = 0u64;
     let ended = loop {
         // A piece ready now goes out with what is waiting; otherwise what
         // is waiting goes first.
-        let frame = match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+        let frame = match poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx))).await {
             Poll::Ready(frame) => frame,
             Poll::Pending => {
                 flush(stream, out).await?;
-                poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+                poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
             }
         };
         let mut data = match frame {

@@ -21,7 +21,7 @@ use crate::front;
 use crate::graceful::{self, Shutdown};
 use crate::idle::{self, Idle, Tracked};
 use crate::limiter::{KeyCache, Limiter};
-use crate::proxy::{Proxy, RequestBody};
+use crate::proxy::{Answer, Proxy, ProxyError, RequestBody};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
@@ -153,8 +153,13 @@ impl Server {
                                 let request = idle.begin();
                                 let mut req = req.map(RequestBody::Stream);
                                 // Several requests at once (HTTP/2): each its own timer.
-                                let (mut resp, limits) = proxy.handle(&mut req, peer, &keys, None).await;
-                                crate::proxy::into_map(&mut resp, limits);
+                                let mut answer = None;
+                                proxy.handle(&mut req, peer, &keys, None, &mut answer).await;
+                                // `handle` always answers; a 500 should it ever not.
+                                let resp = answer.map_or_else(
+                                    || ProxyError::Unanswered.response(),
+                                    Answer::into_response,
+                                );
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })

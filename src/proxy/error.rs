@@ -23,6 +23,10 @@ pub enum ProxyError {
     UpstreamUnreachable,
     #[error("the upstream did not answer within {0} ms")]
     UpstreamTimeout(u128),
+    /// A request that ended without an answer: a defect in sluice, never
+    /// expected (see `Proxy::handle`).
+    #[error("the request ended without an answer")]
+    Unanswered,
 }
 
 impl ProxyError {
@@ -35,6 +39,7 @@ impl ProxyError {
             ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Unanswered => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 

@@ -315,8 +315,10 @@ impl Proxy {
     /// not given: the caller's future holds it once, where a request passed
     /// by value took room in every phase's future, twice.
     ///
-    /// The answer's rate-limit fields come beside it, for the caller to
-    /// write (see [`Limits`]): they are not in its header map yet.
+    /// The answer is put in `answer`, not returned: returned, it was copied
+    /// at each `await` on its way out (about 200 bytes, five copies). Its
+    /// rate-limit fields come beside it, for the caller to write (see
+    /// [`Limits`]): they are not in its header map yet.
     ///
     /// `timer`: the connection's own timer for `server.upstream_timeout`,
     /// when it serves one request at a time (see [`within`]); without one,
@@ -327,7 +329,8 @@ impl Proxy {
         peer: SocketAddr,
         keys: &KeyCache,
         timer: Option<Pin<&mut tokio::time::Sleep>>,
-    ) -> (Response<Body>, Option<Limits>) {
+        answer: &mut Option<Answer>,
+    ) {
         let state = self.state.load_full();
         let mut ctx = RequestCtx {
             timer,
@@ -354,20 +357,24 @@ impl Proxy {
             .and_then(|r| state.requests.get(&addr(r)))
             .unwrap_or(&state.unrouted)
             .count(&self.metrics, resp.status().as_u16());
+        let status = resp.status().as_u16();
+        *answer = Some(Answer {
+            resp,
+            limits: ctx.limits,
+        });
         let Some((started, method, path)) = logged else {
-            return (resp, ctx.limits);
+            return;
         };
         tracing::info!(
             target: "sluice::access",
             method = %method,
             path = %path,
             route = ctx.route.as_deref().unwrap_or("-"),
-            status = resp.status().as_u16(),
+            status,
             decision = ctx.decision,
             upstream_ms = ctx.upstream_time.map(millis),
             total_ms = millis(started.elapsed()),
         );
-        (resp, ctx.limits)
     }
 
     async fn phases(
@@ -610,17 +617,29 @@ impl Proxy {
     }
 }
 
-/// Puts what travels beside an answer into its header map, for hyper's
-/// server: the upstream's fields as the own client read them, then the
-/// rate-limit fields (which replace the upstream's of the same names).
-pub fn into_map(resp: &mut Response<Body>, limits: Option<Limits>) {
-    if let Either::Left(body) = resp.body_mut()
-        && let Some(fields) = body.take_fields()
-    {
-        fields.append_to(resp.headers_mut());
-    }
-    if let Some(limits) = limits {
-        limits.insert(resp.headers_mut());
+/// What [`Proxy::handle`] answers a request with.
+pub struct Answer {
+    pub resp: Response<Body>,
+    /// The rate-limit fields, written beside the response's own.
+    pub limits: Option<Limits>,
+}
+
+impl Answer {
+    /// The response with what travels beside it in its header map, for
+    /// hyper's server: the upstream's fields as the own client read them,
+    /// then the rate-limit fields (which replace the upstream's of the same
+    /// names).
+    pub fn into_response(self) -> Response<Body> {
+        let Answer { mut resp, limits } = self;
+        if let Either::Left(body) = resp.body_mut()
+            && let Some(fields) = body.take_fields()
+        {
+            fields.append_to(resp.headers_mut());
+        }
+        if let Some(limits) = limits {
+            limits.insert(resp.headers_mut());
+        }
+        resp
     }
 }
 

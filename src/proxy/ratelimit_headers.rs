@@ -11,7 +11,7 @@
 //! A decision's fields travel beside the answer as [`Limits`] and are written
 //! where the answer is: sluice's own HTTP/1.1 front writes them as text after
 //! the upstream's fields ([`Limits::each`]), and hyper's way puts them in the
-//! header map ([`Limits::insert`], from `proxy::into_map`). Either way they
+//! header map ([`Limits::insert`], from `proxy::Answer::into_response`). Either way they
 //! take the place of any field of the same name the upstream sent. (Put in
 //! the map on every answer, they cost a tenth of a request's work: three
 //! lookups of custom names and a value allocated for each.)
