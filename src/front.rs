@@ -99,10 +99,12 @@ pub async fn serve(
     let mut watcher = signal.clone();
     let mut shutdown = pin!(watcher.changed());
     loop {
-        // The next request's head, read as far as needed.
-        let (mut req, close) = loop {
-            match parse(&mut buf) {
-                Parsed::Request(req, close) => break (req, close),
+        // The next request's head, read as far as needed, its request made
+        // in `slot` (not moved there: it is some 250 bytes).
+        let mut slot = None;
+        let close = loop {
+            match parse(&mut buf, &mut slot) {
+                Parsed::Request(close) => break close,
                 Parsed::Partial if buf.len() < MAX_HEAD => {}
                 Parsed::Partial | Parsed::Other => {
                     return Ok(Served::Handoff(Rewind::new(stream, buf)));
@@ -123,6 +125,10 @@ pub async fn serve(
                 return Ok(Served::Closed);
             }
         };
+        // Made by `parse`, which said so.
+        let Some(req) = &mut slot else {
+            return Ok(Served::Closed);
+        };
         let head_only = req.method() == Method::HEAD;
         let in_flight = client.idle.clone().begin();
         // The request, or the client gone first (leaving no answer), each
@@ -131,7 +137,7 @@ pub async fn serve(
         let mut answer = None;
         {
             let mut handling = pin!(client.proxy.handle(
-                &mut req,
+                req,
                 client.peer,
                 client.keys,
                 Some(timer.as_mut()),
@@ -158,6 +164,7 @@ pub async fn serve(
         )
         .await?;
         drop(answer);
+        drop(slot);
         drop(in_flight);
         if !again {
             return Ok(Served::Closed);
@@ -211,11 +218,10 @@ pub fn spare_read_buffers() -> usize {
 }
 
 /// What the front of the read buffer holds.
-// Unboxed: it is taken apart at once, and a box would cost an allocation a request.
-#[allow(clippy::large_enum_variant)]
 enum Parsed {
-    /// A request served here; `true`: its client said `Connection: close`.
-    Request(Request<RequestBody>, bool),
+    /// A request served here, made in the caller's slot; `true`: its client
+    /// said `Connection: close`.
+    Request(bool),
     /// Not a whole head yet.
     Partial,
     /// A head for hyper: unusual, or one hyper judges (see `parse`).
@@ -224,9 +230,9 @@ enum Parsed {
     Malformed(&'static str),
 }
 
-/// Takes a request head from the front of `buf` when it is one served here;
-/// otherwise leaves `buf` as it was.
-fn parse(buf: &mut BytesMut) -> Parsed {
+/// Takes a request head from the front of `buf` when it is one served here,
+/// and makes its request in `slot`; otherwise leaves `buf` as it was.
+fn parse(buf: &mut BytesMut, slot: &mut Option<Request<RequestBody>>) -> Parsed {
     if buf.is_empty() {
         return Parsed::Partial;
     }
@@ -280,8 +286,8 @@ fn parse(buf: &mut BytesMut) -> Parsed {
     // Its slices of `buf` are offsets now; `buf` is split next.
     drop(read);
     let head = buf.split_to(len).freeze();
-    match build(&head, target, method, &mut fields) {
-        Some(req) => Parsed::Request(req, close),
+    match build(&head, target, method, &mut fields, slot) {
+        Some(()) => Parsed::Request(close),
         None => {
             // hyper's to refuse: put the head back where it was.
             let mut whole = BytesMut::with_capacity(head.len() + buf.len());
@@ -338,15 +344,17 @@ fn malformed(e: httparse::Error) -> &'static str {
     }
 }
 
-/// The request whose head `head` is: its target at `target` (offset,
-/// length), its fields' values at the offsets in `fields` (drained, not
-/// moved: the list is most of a kilobyte).
+/// Makes in `slot` the request whose head `head` is: its target at `target`
+/// (offset, length), its fields' values at the offsets in `fields` (drained,
+/// not moved: the list is most of a kilobyte). `None` (and `slot` as it
+/// was) if hyper must judge it.
 fn build(
     head: &Bytes,
     target: (usize, usize),
     method: Method,
     fields: &mut SmallVec<[(HeaderName, usize, usize); 16]>,
-) -> Option<Request<RequestBody>> {
+    slot: &mut Option<Request<RequestBody>>,
+) -> Option<()> {
     let uri = Uri::from_maybe_shared(head.slice(target.0..target.0 + target.1)).ok()?;
     // Room for the X-Forwarded-* headers the proxy adds: a map that grows
     // is rehashed and moved.
@@ -357,12 +365,12 @@ fn build(
             HeaderValue::from_maybe_shared(head.slice(from..to)).ok()?,
         );
     }
-    let mut req = Request::new(RequestBody::Empty);
+    let req = slot.insert(Request::new(RequestBody::Empty));
     *req.method_mut() = method;
     *req.uri_mut() = uri;
     *req.version_mut() = Version::HTTP_11;
     *req.headers_mut() = headers;
-    Some(req)
+    Some(())
 }
 
 /// Resolves when the client closes its side (or its connection fails) while

@@ -222,9 +222,14 @@ fn parse_head(
     let start = buf.as_ptr() as usize;
     // What framing and keep-alive depend on, noted on the way.
     let mut said = Said::default();
-    let mut spans: SmallVec<[[u32; 4]; 12]> = SmallVec::new();
-    let mut dated = false;
-    let mut rate_limit_like = false;
+    // Made in its box, not moved there (some 270 bytes).
+    let mut fields = Box::new(Fields {
+        head: Bytes::new(),
+        spans: SmallVec::new(),
+        dated: false,
+        rate_limit_like: false,
+        block: None,
+    });
     // Whether the kept fields lie back to back, each line ended by CRLF.
     let mut adjacent = true;
     for &(name, value) in &read {
@@ -232,24 +237,28 @@ fn parse_head(
         // The connection's fields (`Connection: keep-alive`...) say what
         // they say to `said`, and are not the answer's.
         if !super::forward::lone_hop(name, value) {
-            dated |= eq_lower(name, b"date");
-            rate_limit_like |= is_rate_limit_like(name);
+            fields.dated |= eq_lower(name, b"date");
+            fields.rate_limit_like |= is_rate_limit_like(name);
             let (n, v) = (
                 name.as_ptr() as usize - start,
                 value.as_ptr() as usize - start,
             );
             let w = v + value.len();
             adjacent &= buf.get(w..w + 2) == Some(&b"\r\n"[..])
-                && spans
+                && fields
+                    .spans
                     .last()
                     .is_none_or(|&[.., prev]| prev as usize + 2 == n);
             // A head is at most MAX_HEAD and one read long: u32 holds it.
-            spans.push([n, n + name.len(), v, w].map(|at| at as u32));
+            fields
+                .spans
+                .push([n, n + name.len(), v, w].map(|at| at as u32));
         }
     }
     // Its slices of `buf` are spans now; `buf` is split next.
     drop(read);
-    let block = match (adjacent, said.length, spans.first(), spans.last()) {
+    let spans = &fields.spans;
+    fields.block = match (adjacent, said.length, spans.first(), spans.last()) {
         (true, Ok(length), Some(&[from, ..]), Some(&[.., to])) => Some(Block {
             from,
             to: to + 2,
@@ -257,13 +266,7 @@ fn parse_head(
         }),
         _ => None,
     };
-    let fields = Fields {
-        head: buf.split_to(len).freeze(),
-        spans,
-        dated,
-        rate_limit_like,
-        block,
-    };
+    fields.head = buf.split_to(len).freeze();
     said.keep = match version {
         Version::HTTP_10 => said.keep_alive,
         _ => !said.close,
@@ -272,7 +275,7 @@ fn parse_head(
     *resp.status_mut() = status;
     *resp.version_mut() = version;
     if !said.names_others {
-        return Ok(Some((resp, said, Some(Box::new(fields)))));
+        return Ok(Some((resp, said, Some(fields))));
     }
     // A `Connection` that names other fields (rare): they go too, by way of
     // the map and `strip_hop_by_hop`. Room for the rate-limit headers, which
