@@ -143,6 +143,7 @@ pub async fn serve(
                 })
                 .await
             };
+            // None: shutting down; 0 bytes: the client closed.
             if n.transpose()?.is_none_or(|n| n == 0) {
                 return Ok(Served::Closed);
             }

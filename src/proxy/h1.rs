@@ -222,7 +222,8 @@ fn parse_head(
     let start = buf.as_ptr() as usize;
     // What framing and keep-alive depend on, noted on the way.
     let mut said = Said::default();
-    // Made in its box, not moved there (some 270 bytes).
+    // Boxed empty and filled in place: the 270-odd bytes are copied once,
+    // not a second time when a filled struct is moved into a box.
     let mut fields = Box::new(Fields {
         head: Bytes::new(),
         spans: SmallVec::new(),
