@@ -29,7 +29,9 @@ the proxy process over the run / requests), Redis CPU µs per request
 (redis-server's own CPU), Redis calls per request (INFO commandstats), and each
 figure as a ratio to nginx: the median of the ratios within each round (a round
 runs the setups back to back, so its ratios are spared most of the drift a busy
-machine adds between rounds), and the proxies' CPU split into user and system.
+machine adds between rounds; each round starts one setup later than the one
+before, so no setup always runs first or after the same one), and the
+proxies' CPU split into user and system.
 Also each setup's quietest round (its lowest CPU per request): a neighbour on a
 shared machine only adds time, so that figure moves least between runs.
 Writes bench/results/table.txt and bench/results/plot.svg, and ends with the
@@ -376,8 +378,14 @@ upstream = "api"
         for s in setups:
             run_wrk(f"http://127.0.0.1:{ports[s]}/", 50, 1, [pids[s]], None, None)
         for rnd in range(args.rounds):
+            # Each round starts one setup later: the lab saw the same build
+            # measure up to 15 % apart by its place in a round (what ran
+            # just before it), so over the rounds every setup takes every
+            # place about as often.
+            shift = rnd % len(setups)
+            order = setups[shift:] + setups[:shift]
             for c in conns_list:
-                for s in setups:
+                for s in order:
                     redis_pid = redis.pid if s == "sluice-redis" else None
                     r = run_wrk(f"http://127.0.0.1:{ports[s]}/", c, args.duration, [pids[s]], redis_pid,
                                 ports["redis"] if redis_pid else None)
