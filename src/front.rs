@@ -37,16 +37,15 @@ use std::task::{Context, Poll};
 use std::time::{Duration, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::Either;
 use hyper::body::Body as _;
-use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::ascii::eq_lower;
+use crate::fields::HeadFields;
 use crate::idle::Idle;
 use crate::limiter::KeyCache;
 use crate::proxy::{Answer, Body, Limits, Proxy, ProxyError, RequestBody, plain_head};
@@ -103,14 +102,16 @@ pub async fn serve(
     let mut shutdown = pin!(watcher.changed());
     let mut watching = false;
     // Each request and its answer are made in these, not moved there (each
-    // is about 200 bytes): emptied after each request.
+    // is about 200 bytes): emptied after each request. The request's fields
+    // are where `fields` says in its head, not in its header map.
     let mut slot = None;
     let mut answer = None;
+    let mut fields = HeadFields::default();
     loop {
         // The next request's head, read as far as needed, its request made
         // in `slot`.
         let close = loop {
-            match parse(&mut buf, &mut slot) {
+            match parse(&mut buf, &mut slot, &mut fields) {
                 Parsed::Request(close) => break close,
                 Parsed::Partial if buf.len() < MAX_HEAD => {}
                 Parsed::Partial | Parsed::Other => {
@@ -160,6 +161,7 @@ pub async fn serve(
         {
             let mut handling = pin!(client.proxy.handle(
                 req,
+                Some(&fields),
                 client.peer,
                 client.keys,
                 Some(timer.as_mut()),
@@ -189,6 +191,7 @@ pub async fn serve(
         // while the connection waits.
         answer = None;
         slot = None;
+        fields.clear();
         drop(in_flight);
         if !again {
             return Ok(Served::Closed);
@@ -255,8 +258,13 @@ enum Parsed {
 }
 
 /// Takes a request head from the front of `buf` when it is one served here,
-/// and makes its request in `slot`; otherwise leaves `buf` as it was.
-fn parse(buf: &mut BytesMut, slot: &mut Option<Request<RequestBody>>) -> Parsed {
+/// and makes its request in `slot`, its fields noted in `fields`; otherwise
+/// leaves `buf` as it was.
+fn parse(
+    buf: &mut BytesMut,
+    slot: &mut Option<Request<RequestBody>>,
+    fields: &mut HeadFields,
+) -> Parsed {
     if buf.is_empty() {
         return Parsed::Partial;
     }
@@ -283,35 +291,39 @@ fn parse(buf: &mut BytesMut, slot: &mut Option<Request<RequestBody>>) -> Parsed 
     let start = buf.as_ptr() as usize;
     let target = (target.as_ptr() as usize - start, target.len());
     let mut close = false;
-    let mut fields: SmallVec<[(HeaderName, usize, usize); 16]> = SmallVec::new();
+    fields.clear();
     for &(name, value) in &read {
-        let Ok(name) = HeaderName::from_bytes(name) else {
-            return Parsed::Other;
-        };
-        if name == header::CONTENT_LENGTH {
+        // The names that decide whether the request is served here (by
+        // length first: most names share none with them).
+        match name.len() {
             // An empty body said in so many words is still none.
-            if value != b"0" {
-                return Parsed::Other;
+            14 if eq_lower(name, b"content-length") && value != b"0" => return Parsed::Other,
+            17 if eq_lower(name, b"transfer-encoding") => return Parsed::Other,
+            7 if eq_lower(name, b"upgrade") => return Parsed::Other,
+            6 if eq_lower(name, b"expect") => return Parsed::Other,
+            2 if eq_lower(name, b"te") => return Parsed::Other,
+            10 if eq_lower(name, b"connection") => {
+                close |= value
+                    .split(|&b| b == b',')
+                    .any(|t| eq_lower(t.trim_ascii(), b"close"));
             }
-        } else if name == header::TRANSFER_ENCODING
-            || name == header::UPGRADE
-            || name == header::EXPECT
-            || name == header::TE
-        {
-            return Parsed::Other;
-        } else if name == header::CONNECTION {
-            close |= value
-                .split(|&b| b == b',')
-                .any(|t| eq_lower(t.trim_ascii(), b"close"));
+            _ => {}
         }
-        let at = value.as_ptr() as usize - start;
-        fields.push((name, at, at + value.len()));
+        let name_at = name.as_ptr() as usize - start;
+        let value_at = value.as_ptr() as usize - start;
+        fields.push(
+            name_at..name_at + name.len(),
+            value_at..value_at + value.len(),
+        );
     }
     // Its slices of `buf` are offsets now; `buf` is split next.
     drop(read);
     let head = buf.split_to(len).freeze();
-    match build(&head, target, method, &mut fields, slot) {
-        Some(()) => Parsed::Request(close),
+    match build(&head, target, method, slot) {
+        Some(()) => {
+            fields.set_head(head);
+            Parsed::Request(close)
+        }
         None => {
             // hyper's to refuse: put the head back where it was.
             let mut whole = BytesMut::with_capacity(head.len() + buf.len());
@@ -368,32 +380,21 @@ fn malformed(e: httparse::Error) -> &'static str {
     }
 }
 
-/// Makes in `slot` the request whose head `head` is: its target at `target`
-/// (offset, length), its fields' values at the offsets in `fields` (drained,
-/// not moved: the list is most of a kilobyte). `None` (and `slot` as it
-/// was) if hyper must judge it.
+/// Makes in `slot` the request whose head `head` is, its target at `target`
+/// (offset, length); its fields stay in the head (see [`crate::fields`]),
+/// its header map empty. `None` (and `slot` as it was) if hyper must judge
+/// it.
 fn build(
     head: &Bytes,
     target: (usize, usize),
     method: Method,
-    fields: &mut SmallVec<[(HeaderName, usize, usize); 16]>,
     slot: &mut Option<Request<RequestBody>>,
 ) -> Option<()> {
     let uri = Uri::from_maybe_shared(head.slice(target.0..target.0 + target.1)).ok()?;
-    // Room for the X-Forwarded-* headers the proxy adds: a map that grows
-    // is rehashed and moved.
-    let mut headers = HeaderMap::with_capacity(fields.len() + 3);
-    for (name, from, to) in fields.drain(..) {
-        headers.append(
-            name,
-            HeaderValue::from_maybe_shared(head.slice(from..to)).ok()?,
-        );
-    }
     let req = slot.insert(Request::new(RequestBody::Empty));
     *req.method_mut() = method;
     *req.uri_mut() = uri;
     *req.version_mut() = Version::HTTP_11;
-    *req.headers_mut() = headers;
     Some(())
 }
 

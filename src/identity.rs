@@ -11,23 +11,25 @@
 
 use std::net::IpAddr;
 
-use http::HeaderMap;
-use http::header::HeaderValue;
 use ipnet::IpNet;
+use smallvec::SmallVec;
 
 use crate::config::KeySpec;
+use crate::fields::{self, Fields};
 
 /// The client address for a request arriving from `peer`.
-pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &[IpNet]) -> IpAddr {
+pub fn client_ip(peer: IpAddr, headers: Fields<'_>, trusted: &[IpNet]) -> IpAddr {
     let peer = peer.to_canonical();
     if !is_trusted(peer, trusted) {
         return peer;
     }
     // Walk the hops right to left across every X-Forwarded-For line, in order.
-    const XFF: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
-    let lines: Vec<&HeaderValue> = headers.get_all(&XFF).iter().collect();
+    static XFF: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+    let lines: SmallVec<[&[u8]; 4]> = headers.values(&XFF).collect();
     for line in lines.iter().rev() {
-        let Ok(text) = line.to_str() else { return peer };
+        let Some(text) = fields::text(line) else {
+            return peer;
+        };
         for hop in text.rsplit(',') {
             let hop = hop.trim();
             if hop.is_empty() {
@@ -71,7 +73,7 @@ pub struct Identity {
 pub fn identify(
     spec: &KeySpec,
     client: IpAddr,
-    headers: &HeaderMap,
+    headers: Fields<'_>,
     query: Option<&str>,
 ) -> Identity {
     let mut value = Vec::new();
@@ -84,7 +86,7 @@ pub fn identify(
 pub fn identify_into<'a>(
     spec: &'a KeySpec,
     client: IpAddr,
-    headers: &HeaderMap,
+    headers: Fields<'_>,
     query: Option<&str>,
     out: &mut Vec<u8>,
 ) -> &'a KeySpec {
@@ -140,12 +142,12 @@ pub fn push_ip_text(out: &mut Vec<u8>, ip: IpAddr) {
 /// Appends all values of a header, joined with ", " as HTTP defines: a second
 /// copy of the header makes a different identity, never a fresh copy of the
 /// first.
-fn push_header_value(out: &mut Vec<u8>, headers: &HeaderMap, name: &http::HeaderName) {
-    for (i, v) in headers.get_all(name).iter().enumerate() {
+fn push_header_value(out: &mut Vec<u8>, headers: Fields<'_>, name: &http::HeaderName) {
+    for (i, v) in headers.values(name).enumerate() {
         if i > 0 {
             out.extend_from_slice(b", ");
         }
-        out.extend_from_slice(v.as_bytes());
+        out.extend_from_slice(v);
     }
 }
 
@@ -163,6 +165,7 @@ fn push_query_value(out: &mut Vec<u8>, query: &str, name: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
@@ -200,7 +203,7 @@ mod tests {
         let trusted = vec!["10.0.0.0/8".parse().unwrap()];
         let h = xff(&["1.2.3.4"]);
         assert_eq!(
-            client_ip(ip("203.0.113.5"), &h, &trusted),
+            client_ip(ip("203.0.113.5"), Fields::Map(&h), &trusted),
             ip("203.0.113.5")
         );
     }
@@ -209,15 +212,27 @@ mod tests {
     fn trusted_peer_gives_rightmost_untrusted_hop() {
         let trusted = vec!["10.0.0.0/8".parse().unwrap()];
         let h = xff(&["6.6.6.6, 1.2.3.4", "10.0.0.2"]);
-        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("1.2.3.4"));
+        assert_eq!(
+            client_ip(ip("10.0.0.1"), Fields::Map(&h), &trusted),
+            ip("1.2.3.4")
+        );
         // All hops trusted: the leftmost is as far as we can see; here the peer.
         let h = xff(&["10.1.1.1"]);
-        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("10.0.0.1"));
+        assert_eq!(
+            client_ip(ip("10.0.0.1"), Fields::Map(&h), &trusted),
+            ip("10.0.0.1")
+        );
         // Garbage ends the walk at the last address we can vouch for.
         let h = xff(&["1.2.3.4, nonsense"]);
-        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("10.0.0.1"));
+        assert_eq!(
+            client_ip(ip("10.0.0.1"), Fields::Map(&h), &trusted),
+            ip("10.0.0.1")
+        );
         let h = xff(&["[2001:db8::1]:443"]);
-        assert_eq!(client_ip(ip("10.0.0.1"), &h, &trusted), ip("2001:db8::1"));
+        assert_eq!(
+            client_ip(ip("10.0.0.1"), Fields::Map(&h), &trusted),
+            ip("2001:db8::1")
+        );
     }
 
     #[test]
@@ -225,13 +240,22 @@ mod tests {
         let spec = KeySpec::Header(http::HeaderName::from_static("x-user"));
         let client = ip("192.0.2.1");
         let mut h = HeaderMap::new();
-        assert_eq!(identify(&spec, client, &h, None).spec, KeySpec::Ip);
+        assert_eq!(
+            identify(&spec, client, Fields::Map(&h), None).spec,
+            KeySpec::Ip
+        );
         h.append("x-user", "".parse().unwrap());
-        assert_eq!(identify(&spec, client, &h, None).spec, KeySpec::Ip);
+        assert_eq!(
+            identify(&spec, client, Fields::Map(&h), None).spec,
+            KeySpec::Ip
+        );
         let mut h = HeaderMap::new();
         h.append("x-user", "a".parse().unwrap());
         h.append("x-user", "b".parse().unwrap());
-        assert_eq!(identify(&spec, client, &h, None).value, b"a, b");
+        assert_eq!(
+            identify(&spec, client, Fields::Map(&h), None).value,
+            b"a, b"
+        );
     }
 
     #[test]
@@ -239,8 +263,11 @@ mod tests {
         let spec = KeySpec::Query("key".to_string());
         let client = ip("192.0.2.1");
         let h = HeaderMap::new();
-        let id = identify(&spec, client, &h, Some("x=1&key=a%20b"));
+        let id = identify(&spec, client, Fields::Map(&h), Some("x=1&key=a%20b"));
         assert_eq!(id.value, b"a b");
-        assert_eq!(identify(&spec, client, &h, Some("key=")).spec, KeySpec::Ip);
+        assert_eq!(
+            identify(&spec, client, Fields::Map(&h), Some("key=")).spec,
+            KeySpec::Ip
+        );
     }
 }

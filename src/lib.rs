@@ -12,6 +12,7 @@
 //! - [`proxy`]: the phases of one request (match, identify, decide, forward,
 //!   settle, log) and the responses sluice makes itself.
 //! - [`router`]: which route a request belongs to.
+//! - [`fields`]: a request's fields, from hyper's map or the front's head.
 //! - [`identity`]: the client address and the identities limits count by.
 //! - [`limiter`]: policy → counters → verdict; the boundary stores plug into.
 //! - [`deny_cache`]: denials remembered locally, so a flood costs the store nothing.
@@ -28,6 +29,7 @@ pub mod clock;
 pub mod coalesce;
 pub mod config;
 pub mod deny_cache;
+pub mod fields;
 pub mod front;
 pub mod graceful;
 pub mod identity;

@@ -8,7 +8,9 @@
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
-use http::{HeaderMap, StatusCode};
+use http::StatusCode;
+
+use crate::fields::Fields;
 use sha2::{Digest, Sha256};
 
 use crate::clock::Clock;
@@ -86,7 +88,7 @@ impl Limiter {
         policy: &Arc<Policy>,
         cost: u64,
         client: IpAddr,
-        headers: &HeaderMap,
+        headers: Fields<'_>,
         query: Option<&str>,
         keys: &KeyCache,
     ) -> Result<Verdict, StoreError> {
@@ -341,7 +343,7 @@ impl KeyCache {
         &self,
         policy: &Arc<Policy>,
         client: IpAddr,
-        headers: &HeaderMap,
+        headers: Fields<'_>,
         query: Option<&str>,
     ) -> Arc<Counters> {
         // A poisoned lock only means a panic elsewhere: the cache is still
@@ -382,7 +384,7 @@ impl KeyCache {
 fn identities(
     policy: &Policy,
     client: IpAddr,
-    headers: &HeaderMap,
+    headers: Fields<'_>,
     query: Option<&str>,
 ) -> Vec<Identity> {
     policy

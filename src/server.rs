@@ -154,7 +154,7 @@ impl Server {
                                 let mut req = req.map(RequestBody::Stream);
                                 // Several requests at once (HTTP/2): each its own timer.
                                 let mut answer = None;
-                                proxy.handle(&mut req, peer, &keys, None, &mut answer).await;
+                                proxy.handle(&mut req, None, peer, &keys, None, &mut answer).await;
                                 // `handle` always answers; a 500 should it ever not.
                                 let resp = answer.map_or_else(
                                     || ProxyError::Unanswered.response(),

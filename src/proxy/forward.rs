@@ -18,6 +18,7 @@ use smallvec::SmallVec;
 
 use crate::ascii::eq_lower;
 use crate::config::{Upstream, UpstreamServer};
+use crate::fields::Fields;
 use crate::front::line;
 use crate::proxy::RequestBody;
 use crate::proxy::h1::HeadBuf;
@@ -86,7 +87,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         return;
     }
     if present & 1 != 0 {
-        for name in connection_named(headers) {
+        for name in connection_named(Fields::Map(headers)) {
             headers.remove(name);
         }
     }
@@ -100,14 +101,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// The headers `Connection` names besides the hop-by-hop ones (and `close`):
 /// they are hop-by-hop too. Usually none (`keep-alive`, `close`), and then
 /// nothing is allocated.
-fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
-    let values = headers.get_all(header::CONNECTION);
-    if values.iter().all(|v| names_none(v.as_bytes())) {
+fn connection_named(fields: Fields<'_>) -> Vec<HeaderName> {
+    if fields.values(&header::CONNECTION).all(names_none) {
         return Vec::new();
     }
-    values
-        .iter()
-        .filter_map(|v| v.to_str().ok())
+    fields
+        .values(&header::CONNECTION)
+        .filter_map(crate::fields::text)
         .flat_map(|v| v.split(','))
         .map(str::trim)
         .filter(|t| hop_index(t).is_none() && !t.eq_ignore_ascii_case("close"))
@@ -157,15 +157,15 @@ pub fn mark_down(upstream: &Upstream, i: usize) {
 
 /// The protocol a request asks to switch to (`Connection: upgrade` with an
 /// `Upgrade` header, e.g. WebSocket), if any.
-pub fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
-    let asks = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
+pub fn upgrade_protocol(fields: Fields<'_>) -> Option<HeaderValue> {
+    let asks = fields
+        .values(&header::CONNECTION)
+        .filter_map(crate::fields::text)
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    asks.then(|| headers.get(header::UPGRADE).cloned())
+    asks.then(|| fields.values(&header::UPGRADE).next())
         .flatten()
+        .and_then(|v| HeaderValue::from_bytes(v).ok())
 }
 
 /// The upstream's request target when it is not the client's as it came:
@@ -198,6 +198,7 @@ fn upstream_target(
 /// client's.
 pub fn upstream_head(
     req: &Request<RequestBody>,
+    fields: Fields<'_>,
     upstream: &Upstream,
     server: &UpstreamServer,
     peer: IpAddr,
@@ -210,15 +211,10 @@ pub fn upstream_head(
         Some(pq) => pq.as_str(),
         None => uri.path_and_query().map_or("/", PathAndQuery::as_str),
     };
-    let headers = req.headers();
-    let fields: usize = headers
-        .iter()
-        .map(|(k, v)| k.as_str().len() + v.len() + 4)
-        .sum();
+    let size: usize = fields.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
     // The line, the client's fields, the four set here (at most a host and
     // an address each, with their names), the blank line.
-    let mut head =
-        HeadBuf::with_capacity(req.method().as_str().len() + pq.len() + 13 + fields + 160);
+    let mut head = HeadBuf::with_capacity(req.method().as_str().len() + pq.len() + 13 + size + 160);
     head.extend_from_slice(req.method().as_str().as_bytes());
     head.push(b' ');
     head.extend_from_slice(pq.as_bytes());
@@ -231,31 +227,36 @@ pub fn upstream_head(
     line(&mut head, b"host", host_value.as_bytes());
 
     // A scan of the names is cheaper than looking `Connection` up.
-    let named = if headers.keys().any(|n| n == header::CONNECTION) {
-        connection_named(headers)
+    let named = if fields.iter().any(|(n, _)| eq_lower(n, b"connection")) {
+        connection_named(fields)
     } else {
         Vec::new()
     };
-    let mut prior_for: SmallVec<[&HeaderValue; 2]> = SmallVec::new();
-    for (name, value) in headers {
-        if hop_position(name).is_some() || named.contains(name) || name == header::HOST {
+    let mut prior_for: SmallVec<[&[u8]; 2]> = SmallVec::new();
+    for (name, value) in fields.iter() {
+        if hop_position_of(name).is_some()
+            || eq_lower(name, b"host")
+            || named.iter().any(|n| eq_lower(name, n.as_str().as_bytes()))
+        {
             continue;
         }
-        if name == X_FORWARDED_FOR {
-            if value.to_str().is_ok() {
+        if eq_lower(name, b"x-forwarded-for") {
+            if crate::fields::text(value).is_some() {
                 prior_for.push(value);
             }
             continue;
         }
-        if name == X_FORWARDED_PROTO || (name == X_FORWARDED_HOST && host.is_some()) {
+        if eq_lower(name, b"x-forwarded-proto")
+            || (host.is_some() && eq_lower(name, b"x-forwarded-host"))
+        {
             continue;
         }
-        line(&mut head, name.as_str().as_bytes(), value.as_bytes());
+        line(&mut head, name, value);
     }
     // Every prior line, in order, then the peer.
     head.extend_from_slice(b"x-forwarded-for: ");
     for prior in prior_for {
-        head.extend_from_slice(prior.as_bytes());
+        head.extend_from_slice(prior);
         head.extend_from_slice(b", ");
     }
     crate::identity::push_ip_text(&mut head, peer.to_canonical());
@@ -324,6 +325,7 @@ pub fn rewrite_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fields::HeadFields;
 
     fn upstream(pass_host: bool, base_path: &str) -> Upstream {
         Upstream {
@@ -447,8 +449,30 @@ mod tests {
                     .authority()
                     .map(|a| HeaderValue::from_str(a.as_str()).unwrap())
             });
+            // The front's reading of the same fields (no map).
+            let head = HeadFields::of_lines(headers);
             for https in [false, true] {
-                let written = upstream_head(&req, &up, server, peer, host.as_ref(), https).unwrap();
+                let written = upstream_head(
+                    &req,
+                    Fields::Map(req.headers()),
+                    &up,
+                    server,
+                    peer,
+                    host.as_ref(),
+                    https,
+                )
+                .unwrap();
+                let from_head = upstream_head(
+                    &req,
+                    Fields::Head(&head),
+                    &up,
+                    server,
+                    peer,
+                    host.as_ref(),
+                    https,
+                )
+                .unwrap();
+                assert_eq!(&written[..], &from_head[..], "{target} {headers:?}");
                 let mut copy = Request::new(RequestBody::Empty);
                 *copy.uri_mut() = req.uri().clone();
                 *copy.headers_mut() = req.headers().clone();
@@ -471,7 +495,16 @@ mod tests {
         req.headers_mut()
             .append("connection", HeaderValue::from_static("close"));
         let host = HeaderValue::from_static("api.example");
-        let head = upstream_head(&req, &up, &up.servers[0], peer, Some(&host), false).unwrap();
+        let head = upstream_head(
+            &req,
+            Fields::Map(req.headers()),
+            &up,
+            &up.servers[0],
+            peer,
+            Some(&host),
+            false,
+        )
+        .unwrap();
         assert!(head.starts_with(b"GET /v2/a?b=1 HTTP/1.1\r\nhost: 10.0.0.9:8080\r\n"));
         let (line, map) = fields(&head);
         assert_eq!(line, "GET /v2/a?b=1 HTTP/1.1");

@@ -49,6 +49,7 @@ pub use error::ProxyError;
 pub use ratelimit_headers::Limits;
 
 use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target};
+use crate::fields::{Fields, HeadFields};
 use crate::identity;
 use crate::limiter::{Binding, KeyCache, Limiter, Ticket, Verdict};
 use crate::metrics::{DecisionCounters, Metrics, Name, RouteCounters, UpstreamLabel};
@@ -168,6 +169,8 @@ struct RequestCtx<'t> {
     /// The connection's timer for the upstream's answer, if it has one
     /// (see [`within`]): taken by the forward phase.
     timer: Option<Pin<&'t mut tokio::time::Sleep>>,
+    /// The request's fields when the front read them (see [`Proxy::handle`]).
+    head: Option<&'t HeadFields>,
     route: Option<Arc<str>>,
     decision: &'static str,
     upstream_time: Option<Duration>,
@@ -311,6 +314,9 @@ impl Proxy {
     }
 
     /// Serves one request from `peer`. Never fails: every error is a response.
+    /// `head`: the request's fields as sluice's own front read them, where it
+    /// made no header map (see [`crate::fields`]); `None`: they are in the
+    /// request's map.
     /// `keys` is the connection's cache of counter keys. The request is lent,
     /// not given: the caller's future holds it once, where a request passed
     /// by value took room in every phase's future, twice.
@@ -326,6 +332,7 @@ impl Proxy {
     pub async fn handle(
         &self,
         req: &mut Request<RequestBody>,
+        head: Option<&HeadFields>,
         peer: SocketAddr,
         keys: &KeyCache,
         timer: Option<Pin<&mut tokio::time::Sleep>>,
@@ -334,6 +341,7 @@ impl Proxy {
         let state = self.state.load_full();
         let mut ctx = RequestCtx {
             timer,
+            head,
             route: None,
             decision: "none",
             upstream_time: None,
@@ -389,10 +397,10 @@ impl Proxy {
 
         // 1. match
         let max = config.server.max_header_bytes;
-        if head_size(req) > max {
+        if head_size(req, ctx.head) > max {
             return Err(ProxyError::HeadersTooLarge(max));
         }
-        let host = request_host(req)?;
+        let host = request_host(req, ctx.head)?;
         let route = state
             .router
             .find(
@@ -408,8 +416,11 @@ impl Proxy {
         let mut ticket: Option<Ticket> = None;
         let mut binding: Option<Binding> = None;
         if let Some(policy) = &route.policy {
-            let client =
-                identity::client_ip(peer.ip(), req.headers(), &config.server.trusted_proxies);
+            let client = identity::client_ip(
+                peer.ip(),
+                fields(req, ctx.head),
+                &config.server.trusted_proxies,
+            );
             // Not timed for the memory store: its decisions take about a
             // microsecond (all in the histogram's first bucket), and the two
             // clock reads cost a fifth of that.
@@ -420,7 +431,7 @@ impl Proxy {
                     policy,
                     route.cost,
                     client,
-                    req.headers(),
+                    fields(req, ctx.head),
                     req.uri().query(),
                     keys,
                 )
@@ -535,7 +546,7 @@ impl Proxy {
         // An Upgrade (WebSocket...) is passed through: both sides switch, then
         // bytes are copied both ways until either closes.
         let upgrade = (req.version() == http::Version::HTTP_11)
-            .then(|| forward::upgrade_protocol(req.headers()))
+            .then(|| forward::upgrade_protocol(fields(req, ctx.head)))
             .flatten();
         let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut *req));
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
@@ -543,15 +554,28 @@ impl Proxy {
         // and the histogram.
         let sent;
         let result = if UpstreamClient::own_way(server, req, upgrade.is_some()) {
-            let head =
-                forward::upstream_head(req, upstream, server, peer.ip(), host.as_ref(), self.https)
-                    .map_err(ProxyError::BadRequest)?;
+            let head = forward::upstream_head(
+                req,
+                fields(req, ctx.head),
+                upstream,
+                server,
+                peer.ip(),
+                host.as_ref(),
+                self.https,
+            )
+            .map_err(ProxyError::BadRequest)?;
             let method = req.method().clone();
             let exchange = pin!(client.request_own(server, head, method));
             sent = tokio::time::Instant::now();
             within(sent + timeout, ctx.timer.take(), exchange).await
         } else {
-            // hyper's client takes the request itself.
+            // hyper's client takes the request itself, with its fields in
+            // its map.
+            if let Some(head) = ctx.head {
+                *req.headers_mut() = head
+                    .to_map()
+                    .ok_or(ProxyError::BadRequest("invalid header field"))?;
+            }
             let req = std::mem::replace(req, Request::new(RequestBody::Empty));
             let req = forward::rewrite_request(
                 req,
@@ -663,18 +687,39 @@ fn millis(d: Duration) -> f64 {
 
 /// The request's host: the `Host` header, or for HTTP/2 the `:authority`.
 /// HTTP/1.1 requires one (RFC 9112 §3.2).
-fn request_host(req: &Request<RequestBody>) -> Result<Option<HeaderValue>, ProxyError> {
-    let mut hosts = req.headers().get_all(header::HOST).iter();
-    match (hosts.next(), hosts.next()) {
-        (Some(_), Some(_)) => Err(ProxyError::BadRequest("more than one Host header")),
-        (Some(h), None) => Ok(Some(h.clone())),
-        (None, _) => match req.uri().authority() {
-            Some(a) => Ok(HeaderValue::from_str(a.as_str()).ok()),
-            None if req.version() == Version::HTTP_11 => {
-                Err(ProxyError::BadRequest("HTTP/1.1 request without Host"))
+fn request_host(
+    req: &Request<RequestBody>,
+    head: Option<&HeadFields>,
+) -> Result<Option<HeaderValue>, ProxyError> {
+    const TWO: ProxyError = ProxyError::BadRequest("more than one Host header");
+    let host = match head {
+        Some(head) => {
+            let mut hosts = Fields::Head(head).values(&header::HOST);
+            match (hosts.next(), hosts.next()) {
+                (Some(_), Some(_)) => return Err(TWO),
+                // A slice of the head, not a copy.
+                (Some(h), None) => Some(
+                    HeaderValue::from_maybe_shared(head.share(h))
+                        .map_err(|_| ProxyError::BadRequest("invalid Host header"))?,
+                ),
+                (None, _) => None,
             }
-            None => Ok(None),
-        },
+        }
+        None => {
+            let mut hosts = req.headers().get_all(header::HOST).iter();
+            match (hosts.next(), hosts.next()) {
+                (Some(_), Some(_)) => return Err(TWO),
+                (h, _) => h.cloned(),
+            }
+        }
+    };
+    match (host, req.uri().authority()) {
+        (Some(h), _) => Ok(Some(h)),
+        (None, Some(a)) => Ok(HeaderValue::from_str(a.as_str()).ok()),
+        (None, None) if req.version() == Version::HTTP_11 => {
+            Err(ProxyError::BadRequest("HTTP/1.1 request without Host"))
+        }
+        (None, None) => Ok(None),
     }
 }
 
@@ -697,7 +742,10 @@ fn client_body_failed(e: &hyper::Error) -> bool {
 }
 
 /// The size of the request head as the client sent it, near enough.
-fn head_size<B>(req: &Request<B>) -> usize {
+fn head_size(req: &Request<RequestBody>, head: Option<&HeadFields>) -> usize {
+    if let Some(head) = head {
+        return head.head().len();
+    }
     let uri = req.uri();
     let target = uri.path_and_query().map_or(1, |p| p.as_str().len())
         + uri.authority().map_or(0, |a| a.as_str().len());
@@ -705,6 +753,14 @@ fn head_size<B>(req: &Request<B>) -> usize {
     req.headers()
         .iter()
         .fold(line, |n, (k, v)| n + k.as_str().len() + v.len() + 4)
+}
+
+/// The request's fields: read by the front (`head`), or in its map.
+fn fields<'a>(req: &'a Request<RequestBody>, head: Option<&'a HeadFields>) -> Fields<'a> {
+    match head {
+        Some(head) => Fields::Head(head),
+        None => Fields::Map(req.headers()),
+    }
 }
 
 fn log_store_error(e: &StoreError) {
