@@ -240,14 +240,14 @@ pub fn upstream_head(
         {
             continue;
         }
-        if eq_lower(name, b"x-forwarded-for") {
+        if eq_lower(name, X_FORWARDED_FOR.as_str().as_bytes()) {
             if crate::fields::text(value).is_some() {
                 prior_for.push(value);
             }
             continue;
         }
-        if eq_lower(name, b"x-forwarded-proto")
-            || (host.is_some() && eq_lower(name, b"x-forwarded-host"))
+        if eq_lower(name, X_FORWARDED_PROTO.as_str().as_bytes())
+            || (host.is_some() && eq_lower(name, X_FORWARDED_HOST.as_str().as_bytes()))
         {
             continue;
         }
@@ -452,26 +452,11 @@ mod tests {
             // The front's reading of the same fields (no map).
             let head = HeadFields::of_lines(headers);
             for https in [false, true] {
-                let written = upstream_head(
-                    &req,
-                    Fields::Map(req.headers()),
-                    &up,
-                    server,
-                    peer,
-                    host.as_ref(),
-                    https,
-                )
-                .unwrap();
-                let from_head = upstream_head(
-                    &req,
-                    Fields::Head(&head),
-                    &up,
-                    server,
-                    peer,
-                    host.as_ref(),
-                    https,
-                )
-                .unwrap();
+                let write = |fields| {
+                    upstream_head(&req, fields, &up, server, peer, host.as_ref(), https).unwrap()
+                };
+                let written = write(Fields::Map(req.headers()));
+                let from_head = write(Fields::Head(&head));
                 assert_eq!(&written[..], &from_head[..], "{target} {headers:?}");
                 let mut copy = Request::new(RequestBody::Empty);
                 *copy.uri_mut() = req.uri().clone();
