@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """sluice against nginx, measured with wrk on this machine.
 
-    python3 bench/bench.py [--rounds N] [--duration S] [--quick]
+    python3 bench/bench.py [--rounds N] [--duration S] [--quick] [--no-pgo]
 
 Installs what it needs when missing (wrk, nginx, redis-server: Debian packages,
-needs root), builds sluice in release mode, then starts:
+needs root), builds sluice in release mode and with profile-guided
+optimisation (bench/pgo.py, about 8 minutes; `--no-pgo` skips it and measures
+the plain build as sluice), then starts:
 
   upstream      nginx, 1 worker, `return 200`                  (the API)
   nginx         nginx, 1 worker, reverse proxy with a keep-alive pool
   nginx-limit   the same with `limit_req` (local memory, never rejecting)
-  sluice        sluice, 1 worker, no policy
+  sluice        sluice, 1 worker, no policy (the PGO build, as every sluice
+                below but sluice-plain)
+  sluice-plain  the same, built by `cargo build --release` alone
   sluice-mem    sluice, memory store, policy 10/1s + 120/1m + 240/1h (1m precision)
   sluice-redis  sluice, Redis store, the same policy
   floor         a TCP relay with no HTTP (bench/floor.rs): tokio, 1 worker,
@@ -309,6 +313,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="1 round of 4 s, -c50 only")
+    ap.add_argument("--no-pgo", action="store_true",
+                    help="measure `cargo build --release` as sluice, not the PGO build (saves its 8 minutes)")
     args = ap.parse_args()
     exit_on_signals()
     if args.quick:
@@ -322,15 +328,22 @@ def main():
     print("--- building sluice and the floor (release)", flush=True)
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "sluice", "--example", "floor"],
                    cwd=ROOT, check=True)
-    sluice = os.path.join(ROOT, "target", "release", "sluice")
+    plain = os.path.join(ROOT, "target", "release", "sluice")
     floor = os.path.join(ROOT, "target", "release", "examples", "floor")
+    # The release build measured: profile-guided (see bench/pgo.py), with the
+    # plain build beside it as `sluice-plain` (no policy).
+    if args.no_pgo:
+        sluice = plain
+    else:
+        import pgo
+        sluice = pgo.build()
 
     tmp = tempfile.mkdtemp(prefix="sluice-bench-")
     procs = Procs()
     try:
         ports = {k: free_port() for k in ["upstream", "nginx", "nginx-limit", "sluice", "sluice-mem",
                                            "sluice-redis", "redis", "sluice-many", "sluice-reject", "floor",
-                                           "http-floor"]}
+                                           "http-floor", "sluice-plain"]}
         up = ports["upstream"]
         procs.start(["nginx", "-c", nginx_conf(tmp, up, f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}')])
         proxy_block = f"upstream api {{ server 127.0.0.1:{up}; keepalive 64; }}"
@@ -375,6 +388,11 @@ upstream = "api"
         pids = {}
         for name, conf in confs.items():
             pids[name] = procs.start([sluice, "--config", conf], env=env).pid
+        if not args.no_pgo:
+            pids["sluice-plain"] = procs.start([plain, "--config", sluice_conf("sluice-plain", "", None)],
+                                               env=env).pid
+        else:
+            del ports["sluice-plain"]
         pids["floor"] = procs.start([floor, f"127.0.0.1:{ports['floor']}", f"127.0.0.1:{up}"]).pid
         pids["http-floor"] = procs.start([floor, "--http", f"127.0.0.1:{ports['http-floor']}", f"127.0.0.1:{up}"]).pid
         for p in ports.values():
@@ -387,6 +405,8 @@ upstream = "api"
             pids[name] = children(master.pid)[0]
 
         setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis", "floor", "http-floor"]
+        if not args.no_pgo:
+            setups.insert(3, "sluice-plain")
         results = {(s, c): [] for s in setups for c in conns_list}
         # Warm up every proxy (pools, scripts).
         for s in setups:
@@ -472,6 +492,8 @@ upstream = "api"
         machine += "; " + subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0].split(" [")[0]
         lines.append("")
         lines.append(f"medians of {args.rounds} round(s) of {args.duration} s; ratios: the median of each round's ratio to nginx; {machine}")
+        lines.append("sluice: " + ("`cargo build --release`" if args.no_pgo else
+                                   "the PGO build (bench/pgo.py); sluice-plain: `cargo build --release`, no policy"))
         # How quiet the machine was: nginx's own cost should not move between
         # rounds, so its spread is what the neighbours added. A ratio within
         # that much of its target is not decided by this run.
