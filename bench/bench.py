@@ -201,6 +201,35 @@ http {{
     return conf
 
 
+def upstream_conf(dir_, port):
+    """nginx as the API: one worker answering `200 ok`."""
+    return nginx_conf(dir_, port, f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok"; }} }}')
+
+
+def redis_args(port):
+    """A redis-server on `port` that keeps nothing on disk."""
+    return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+
+def many_lua(dir_, path="/"):
+    """A wrk script: each request to `path` from a random client address
+    (`X-Forwarded-For`, which sluice believes from 127.0.0.1)."""
+    script = os.path.join(dir_, "many.lua")
+    with open(script, "w") as f:
+        f.write('math.randomseed(os.time())\nrequest = function()\n'
+                '  local ip = "10." .. math.random(0,255) .. "." .. math.random(0,255) .. "." .. math.random(1,254)\n'
+                f'  return wrk.format("GET", "{path}", {{ ["X-Forwarded-For"] = ip }})\nend\n')
+    return script
+
+
+def fields_lua(dir_):
+    """A wrk script: every request carries REAL_FIELDS."""
+    script = os.path.join(dir_, "fields.lua")
+    with open(script, "w") as f:
+        f.write("".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in REAL_FIELDS))
+    return script
+
+
 def redis_info(port, section):
     out = subprocess.run(["redis-cli", "-p", str(port), "info", section], capture_output=True, text=True).stdout
     return out
@@ -343,9 +372,9 @@ def main():
     try:
         ports = {k: free_port() for k in ["upstream", "nginx", "nginx-limit", "sluice", "sluice-mem",
                                            "sluice-redis", "redis", "sluice-many", "sluice-reject", "floor",
-                                           "http-floor", "sluice-plain"]}
+                                           "http-floor"] + ([] if args.no_pgo else ["sluice-plain"])}
         up = ports["upstream"]
-        procs.start(["nginx", "-c", nginx_conf(tmp, up, f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}')])
+        procs.start(["nginx", "-c", upstream_conf(tmp, up)])
         proxy_block = f"upstream api {{ server 127.0.0.1:{up}; keepalive 64; }}"
         loc = 'proxy_pass http://api; proxy_http_version 1.1; proxy_set_header Connection "";'
         procs.start(["nginx", "-c", nginx_conf(tmp, ports["nginx"],
@@ -353,8 +382,7 @@ def main():
         procs.start(["nginx", "-c", nginx_conf(tmp, ports["nginx-limit"],
                      f'{proxy_block} limit_req_zone $binary_remote_addr zone=z:10m rate=100000000r/s; '
                      f'server {{ listen 127.0.0.1:{ports["nginx-limit"]}; location / {{ limit_req zone=z burst=100000000 nodelay; {loc} }} }}')])
-        redis = procs.start(["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"])
+        redis = procs.start(redis_args(ports["redis"]))
 
         def sluice_conf(name, store, policy, extra=""):
             path = os.path.join(tmp, f"{name}.toml")
@@ -391,8 +419,6 @@ upstream = "api"
         if not args.no_pgo:
             pids["sluice-plain"] = procs.start([plain, "--config", sluice_conf("sluice-plain", "", None)],
                                                env=env).pid
-        else:
-            del ports["sluice-plain"]
         pids["floor"] = procs.start([floor, f"127.0.0.1:{ports['floor']}", f"127.0.0.1:{up}"]).pid
         pids["http-floor"] = procs.start([floor, "--http", f"127.0.0.1:{ports['http-floor']}", f"127.0.0.1:{up}"]).pid
         for p in ports.values():
@@ -428,14 +454,9 @@ upstream = "api"
                           f"cpu {r['cpu_us']:5.1f} us/req", flush=True)
 
         # Many identities: a wrk script sends a random X-Forwarded-For (sluice trusts 127.0.0.1).
-        many_lua = os.path.join(tmp, "many.lua")
-        with open(many_lua, "w") as f:
-            f.write('math.randomseed(os.time())\nrequest = function()\n'
-                    '  local ip = "10." .. math.random(0,255) .. "." .. math.random(0,255) .. "." .. math.random(1,254)\n'
-                    '  return wrk.format("GET", "/", { ["X-Forwarded-For"] = ip })\nend\n')
         extra = {}
         extra["many identities"] = run_wrk(f"http://127.0.0.1:{ports['sluice-many']}/", 50, args.duration,
-                                           [pids["sluice-many"]], redis.pid, ports["redis"], script=many_lua)
+                                           [pids["sluice-many"]], redis.pid, ports["redis"], script=many_lua(tmp))
         # Mostly rejected: one client over a 10/h limit; warm the deny cache first.
         run_wrk(f"http://127.0.0.1:{ports['sluice-reject']}/", 50, 1, [pids["sluice-reject"]], None, None)
         extra["mostly rejected"] = run_wrk(f"http://127.0.0.1:{ports['sluice-reject']}/", 50, args.duration,
@@ -446,14 +467,12 @@ upstream = "api"
         # with each field it reads and passes on, so this shows how the
         # figures above carry over. Runs of nginx and sluice in pairs, each
         # pair in the other order.
-        fields_lua = os.path.join(tmp, "fields.lua")
-        with open(fields_lua, "w") as f:
-            f.write("".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in REAL_FIELDS))
+        fields = fields_lua(tmp)
         fielded = {"nginx": [], "sluice": []}
         for i in range(max(2, args.rounds // 2)):
             for s in (["nginx", "sluice"] if i % 2 == 0 else ["sluice", "nginx"]):
                 fielded[s].append(run_wrk(f"http://127.0.0.1:{ports[s]}/", 50, args.duration,
-                                          [pids[s]], None, None, script=fields_lua))
+                                          [pids[s]], None, None, script=fields))
 
         def med(rs, key):
             return statistics.median(r[key] for r in rs)

@@ -17,8 +17,8 @@ on 2 cores):
 
 Why: the compiler then lays out the request path's code by what runs, and
 inlines by what is hot. Measured (callgrind, wrk -c10, no policy): 11,349
--> 9,034 instructions a proxied GET; lab, -c50, alternating: about 0.95x
-the CPU of `cargo build --release` (user time 0.75x). The code is the same;
+-> 8,938 instructions a proxied GET; lab, -c50, alternating: about 0.95x
+the CPU of `cargo build --release` (user time 0.74x). The code is the same;
 only its layout and inlining differ.
 
 Needs what bench.py needs (wrk, nginx, redis-server: installed when missing)
@@ -34,8 +34,8 @@ import subprocess
 import sys
 import tempfile
 
-from bench import (POLICY, REAL_FIELDS, ROOT, Procs, exit_on_signals, free_port, need, nginx_conf,
-                   wait_port)
+from bench import (POLICY, ROOT, Procs, exit_on_signals, fields_lua, free_port, many_lua, need,
+                   redis_args, upstream_conf, wait_port)
 
 PGO_DIR = os.path.join(ROOT, "target", "pgo")
 
@@ -78,20 +78,11 @@ def train(binary, profiles):
     procs = Procs()
     try:
         up, redis_port = free_port(), free_port()
-        procs.start(["nginx", "-c", nginx_conf(tmp, up, f'server {{ listen 127.0.0.1:{up}; '
-                                                       f'location / {{ return 200 "ok"; }} }}')])
-        procs.start(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no"])
+        procs.start(["nginx", "-c", upstream_conf(tmp, up)])
+        procs.start(redis_args(redis_port))
         wait_port(up)
         wait_port(redis_port)
-        many = os.path.join(tmp, "many.lua")
-        with open(many, "w") as f:
-            f.write('request = function()\n'
-                    '  local ip = "10." .. math.random(0,255) .. "." .. math.random(0,255) .. "." .. math.random(1,254)\n'
-                    '  return wrk.format("GET", "/allow", { ["X-Forwarded-For"] = ip })\nend\n')
-        fields = os.path.join(tmp, "fields.lua")
-        with open(fields, "w") as f:
-            f.write("".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in REAL_FIELDS))
+        many, fields = many_lua(tmp, "/allow"), fields_lua(tmp)
         stores = {
             "memory": "",
             "redis": f'[store]\nbackend = "redis"\nurl = "redis://127.0.0.1:{redis_port}/0"\ntimeout = "200ms"',
