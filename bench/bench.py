@@ -201,14 +201,21 @@ http {{
     return conf
 
 
-def upstream_conf(dir_, port):
-    """nginx as the API: one worker answering `200 ok`."""
-    return nginx_conf(dir_, port, f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok"; }} }}')
+def upstream_conf(dir_, port, tls=None):
+    """nginx as the API: one worker answering `200 ok`; over TLS when `tls`
+    is (certificate, key)."""
+    ssl = f" ssl; ssl_certificate {tls[0]}; ssl_certificate_key {tls[1]}" if tls else ""
+    return nginx_conf(dir_, port, f'server {{ listen 127.0.0.1:{port}{ssl}; location / {{ return 200 "ok"; }} }}')
 
 
 def redis_args(port):
     """A redis-server on `port` that keeps nothing on disk."""
     return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+
+def redis_store(port):
+    """sluice's `[store]` section for the redis-server on `port`."""
+    return f'[store]\nbackend = "redis"\nurl = "redis://127.0.0.1:{port}/0"\ntimeout = "200ms"'
 
 
 def many_lua(dir_, path="/"):
@@ -404,13 +411,13 @@ upstream = "api"
 """)
             return path
 
-        redis_store = f'[store]\nbackend = "redis"\nurl = "redis://127.0.0.1:{ports["redis"]}/0"\ntimeout = "200ms"'
+        redis_section = redis_store(ports["redis"])
         confs = {
             "sluice": sluice_conf("sluice", "", None),
             "sluice-mem": sluice_conf("sluice-mem", "", POLICY),
-            "sluice-redis": sluice_conf("sluice-redis", redis_store, POLICY),
-            "sluice-many": sluice_conf("sluice-many", redis_store, POLICY),
-            "sluice-reject": sluice_conf("sluice-reject", redis_store, 'limits = [{ limit = 10, window = "1h" }]'),
+            "sluice-redis": sluice_conf("sluice-redis", redis_section, POLICY),
+            "sluice-many": sluice_conf("sluice-many", redis_section, POLICY),
+            "sluice-reject": sluice_conf("sluice-reject", redis_section, 'limits = [{ limit = 10, window = "1h" }]'),
         }
         env = dict(os.environ, RUST_LOG="warn")
         pids = {}

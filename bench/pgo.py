@@ -49,7 +49,7 @@ import sys
 import tempfile
 
 from bench import (POLICY, ROOT, Procs, exit_on_signals, fields_lua, free_port, many_lua, need,
-                   nginx_conf, redis_args, upstream_conf, wait_port)
+                   redis_args, redis_store, upstream_conf, wait_port)
 
 PGO_DIR = os.path.join(ROOT, "target", "pgo")
 
@@ -90,12 +90,14 @@ def wrk(url, seconds, script=None, refused=False):
 
 
 def h2load(url, seconds):
-    """HTTP/2 load: h2c with prior knowledge for http://, ALPN h2 for https://."""
+    """HTTP/2 load: h2c with prior knowledge for http://, ALPN h2 for
+    https://; as with wrk, every answer must be 2xx."""
     args = ["h2load", "-c10", "-m10", "-D", str(seconds), url]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    m = re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded", out)
-    if not m or int(m.group(1)) == 0:
-        raise RuntimeError(f"h2load against {url} had no successful requests:\n{out}")
+    done = re.search(r"requests: \d+ total, \d+ started, (\d+) done", out)
+    ok = re.search(r"status codes: (\d+) 2xx", out)
+    if not done or not ok or int(done.group(1)) == 0 or ok.group(1) != done.group(1):
+        raise RuntimeError(f"h2load against {url} had answers that were not 2xx, or none:\n{out}")
 
 
 def post_lua(dir_):
@@ -133,9 +135,7 @@ def train(binary, profiles):
         ca, cert, key = certificates(tmp)
         procs.start(["nginx", "-c", upstream_conf(tmp, up)])
         # The API over TLS too, for the https:// upstream's path.
-        procs.start(["nginx", "-c", nginx_conf(tmp, up_tls, f"""server {{ listen 127.0.0.1:{up_tls} ssl;
-  ssl_certificate {cert}; ssl_certificate_key {key};
-  location / {{ return 200 "ok"; }} }}""")])
+        procs.start(["nginx", "-c", upstream_conf(tmp, up_tls, (cert, key))])
         procs.start(redis_args(redis_port))
         for port in (up, up_tls, redis_port):
             wait_port(port)
@@ -143,8 +143,7 @@ def train(binary, profiles):
         # Each instance: (what its config adds, the scheme it serves).
         instances = {
             "memory": ("", "http"),
-            "redis": (f'[store]\nbackend = "redis"\nurl = "redis://127.0.0.1:{redis_port}/0"\ntimeout = "200ms"',
-                      "http"),
+            "redis": (redis_store(redis_port), "http"),
             "tls": (f'[server.tls]\ncert = "{cert}"\nkey = "{key}"', "https"),
         }
         for name, (extra, scheme) in instances.items():
