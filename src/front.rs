@@ -489,7 +489,7 @@ async fn write_response(
         field(name.as_str().as_bytes(), value.as_bytes());
     }
     if let Some(limits) = limits {
-        limits.each(|name, value| line(out, name.as_str().as_bytes(), value));
+        limits.write_lines(out);
     }
     if !dated {
         DATE.with_borrow_mut(|date| line(out, b"date", date.now()));

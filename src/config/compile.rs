@@ -591,6 +591,10 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
     }
     Some(Policy {
         ietf: IetfTexts::new(name, &limits),
+        x_heads: limits
+            .iter()
+            .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))
+            .collect(),
         name: name.into(),
         charge,
         refund,

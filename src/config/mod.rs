@@ -249,6 +249,11 @@ pub struct Policy {
     pub specs: Vec<KeySpec>,
     /// The IETF rate-limit headers' texts, made once.
     pub ietf: IetfTexts,
+    /// For each limit, the constant start of its x-ratelimit fields as
+    /// HTTP/1.1 head lines: `x-ratelimit-limit: LIMIT\r\nx-ratelimit-remaining: `
+    /// (sluice's own front copies it in one piece; see
+    /// `proxy::ratelimit_headers`).
+    pub x_heads: Vec<String>,
 }
 
 /// What the IETF rate-limit headers (`RateLimit-Policy`, `RateLimit`) say

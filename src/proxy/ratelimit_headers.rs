@@ -24,6 +24,7 @@ use smallvec::SmallVec;
 
 use crate::ascii::eq_lower;
 use crate::config::{HeaderStyle, Policy};
+use crate::front::line;
 use crate::limiter::Binding;
 
 const LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -74,6 +75,12 @@ impl Limits {
             field(&REMAINING, digits.format(b.remaining).as_bytes());
             field(&RESET, digits.format(b.reset_ms.div_ceil(1000)).as_bytes());
         }
+        self.each_ietf(field);
+    }
+
+    /// The IETF fields, if the style has them.
+    fn each_ietf(&self, mut field: impl FnMut(&HeaderName, &[u8])) {
+        let b = &self.binding;
         if self.ietf() {
             let texts = &self.policy.ietf;
             field(&POLICY, texts.lists[b.index].as_bytes());
@@ -94,6 +101,30 @@ impl Limits {
         }
     }
 
+    /// Writes the fields as HTTP/1.1 head lines (`name: value\r\n`), as
+    /// [`Limits::each`] gives them. The x-ratelimit fields' constant start
+    /// (see `Policy::x_heads`) is copied in one piece: written field by
+    /// field they were a sixth of what a policy adds to a request.
+    pub fn write_lines(&self, out: &mut Vec<u8>) {
+        let b = &self.binding;
+        let head = (self.policy.limits.get(b.index))
+            .filter(|l| l.limit == b.limit)
+            .and_then(|_| self.policy.x_heads.get(b.index));
+        match head {
+            Some(head) if self.x_ratelimit() => {
+                let mut digits = itoa::Buffer::new();
+                let reset = b.reset_ms.div_ceil(1000);
+                out.extend_from_slice(head.as_bytes());
+                out.extend_from_slice(digits.format(b.remaining).as_bytes());
+                out.extend_from_slice(b"\r\nx-ratelimit-reset: ");
+                out.extend_from_slice(digits.format(reset).as_bytes());
+                out.extend_from_slice(b"\r\n");
+                self.each_ietf(|name, value| line(out, name.as_str().as_bytes(), value));
+            }
+            _ => self.each(|name, value| line(out, name.as_str().as_bytes(), value)),
+        }
+    }
+
     /// Puts the fields in `headers`, in place of any of the same names.
     pub fn insert(&self, headers: &mut HeaderMap) {
         self.each(|name, value| {
@@ -102,5 +133,52 @@ impl Limits {
                 headers.insert(name.clone(), value);
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn lines_written_in_one_piece_match_the_fields_one_by_one() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.p]
+limits = [{ limit = 5, window = "1s" }, { limit = 700, window = "1h" }]
+"#;
+        let config = crate::config::parse(text, "test.toml", Path::new(".")).expect("valid");
+        let policy = config.policies.into_iter().next().expect("a policy");
+        let styles = [
+            HeaderStyle::XRateLimit,
+            HeaderStyle::Ietf,
+            HeaderStyle::Both,
+        ];
+        for (style, index) in styles.into_iter().flat_map(|s| [(s, 0), (s, 1)]) {
+            let binding = Binding {
+                limit: policy.limits[index].limit,
+                window_ms: 1_000,
+                remaining: 42,
+                reset_ms: 1_700_000_000_001,
+                reset_in_ms: 999,
+                retry_ms: 0,
+                index,
+            };
+            let limits = Limits::new(style, &policy, binding).expect("a style with fields");
+            let mut fast = Vec::new();
+            limits.write_lines(&mut fast);
+            let mut slow = Vec::new();
+            limits.each(|name, value| line(&mut slow, name.as_str().as_bytes(), value));
+            assert_eq!(
+                String::from_utf8_lossy(&fast),
+                String::from_utf8_lossy(&slow),
+                "{style:?}, limit {index}"
+            );
+            let limit_line = format!("x-ratelimit-limit: {}\r\n", binding.limit);
+            let has_x = style != HeaderStyle::Ietf;
+            assert_eq!(String::from_utf8_lossy(&fast).contains(&limit_line), has_x);
+        }
     }
 }
