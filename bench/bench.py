@@ -46,6 +46,7 @@ issue's targets, met or not. Everything it started is stopped at the end.
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -237,6 +238,19 @@ def fields_lua(dir_):
     return script
 
 
+def cpu_model():
+    """The processor's name as the kernel gives it (machines of one kind
+    differ: a slower one moves every absolute figure, not the ratios)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown processor"
+
+
 def redis_info(port, section):
     out = subprocess.run(["redis-cli", "-p", str(port), "info", section], capture_output=True, text=True).stdout
     return out
@@ -338,6 +352,14 @@ def targets(rows, extra, cost):
         us, x = float(m.group(1)), float(m.group(2))
         check(us <= 10, f"Redis CPU per decision: {us:.2f} us (<= 10)")
         check(x <= 1 / 3, f"Redis CPU per decision: {x:.2f}x the seed reference (<= a third)")
+        # The 10 us is the issue's third of the seed script's ~30 us on its
+        # machine; a slower machine runs both slower (the seed took 40 us on
+        # quiet days here, 78 on a slow one), so say what it comes to there.
+        seed = re.search(r"the seed reference \(([\d.]+) us\)", cost)
+        seed = float(seed.group(1)) if seed else 0
+        if seed > 30:
+            out.append(f"    (the seed reference took {seed:.1f} us here, against the issue's ~30: "
+                       f"at the issue's speed that is {x * 30:.1f} us a decision)")
     m = re.search(r"per identity .*?: (\d+) bytes", cost)
     if m:
         check(int(m.group(1)) <= 600, f"Redis memory per identity: {m.group(1)} bytes (<= 600)")
@@ -516,6 +538,7 @@ upstream = "api"
         machine = f"{os.cpu_count()} cores; " + subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
         machine += "; " + subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split(" sha")[0]
         machine += "; " + subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0].split(" [")[0]
+        machine += "; " + cpu_model() + ", Linux " + platform.release()
         lines.append("")
         lines.append(f"medians of {args.rounds} round(s) of {args.duration} s; ratios: the median of each round's ratio to nginx; {machine}")
         lines.append("sluice: " + ("`cargo build --release`" if args.no_pgo else
