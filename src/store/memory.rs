@@ -317,8 +317,18 @@ fn empty(algorithm: Algorithm) -> State {
 }
 
 /// Sliding window geometry: (precision ms, buckets per window, current bucket).
-fn buckets(c: &Counter, precision_ms: u64, now: u64) -> (u64, u64, u64) {
-    (precision_ms, c.window_ms / precision_ms, now / precision_ms)
+/// A clock behind the newest bucket held (the wall clock stepped back)
+/// counts into that bucket, as the Lua script does: the buckets stay in
+/// order, and the counter lives as long as its newest units need.
+fn buckets(
+    c: &Counter,
+    precision_ms: u64,
+    now: u64,
+    held: &VecDeque<(u64, u64)>,
+) -> (u64, u64, u64) {
+    let b = now / precision_ms;
+    let b = held.back().map_or(b, |&(newest, _)| newest.max(b));
+    (precision_ms, c.window_ms / precision_ms, b)
 }
 
 /// GCRA geometry in µs: (emission interval, burst capacity).
@@ -361,7 +371,7 @@ fn check_and_charge(
             },
             Algorithm::Sliding { precision },
         ) => {
-            let (p, n, b) = buckets(c, precision.as_millis() as u64, now);
+            let (p, n, b) = buckets(c, precision.as_millis() as u64, now, all);
             let s = sliding_verdict(all, *total, c, cost, now, (p, n, b));
             if !(charge && s.retry_ms == 0) {
                 return Some((s, None));
@@ -433,13 +443,13 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
             fixed_verdict(c, count, cost, now, start + c.window_ms)
         }
         (Algorithm::Sliding { precision }, state) => {
-            let geometry = buckets(c, precision.as_millis() as u64, now);
-            match state {
-                Some(State::Sliding { buckets, total }) => {
-                    sliding_verdict(buckets, *total, c, cost, now, geometry)
-                }
-                _ => sliding_verdict(&VecDeque::new(), 0, c, cost, now, geometry),
-            }
+            let none = VecDeque::new();
+            let (held, total) = match state {
+                Some(State::Sliding { buckets, total }) => (buckets, *total),
+                _ => (&none, 0),
+            };
+            let geometry = buckets(c, precision.as_millis() as u64, now, held);
+            sliding_verdict(held, total, c, cost, now, geometry)
         }
         (Algorithm::Log, state) => {
             let live: Vec<(u64, u64)> = match state {
@@ -545,7 +555,7 @@ fn charge(state: &mut State, c: &Counter, cost: u64, now: u64, id: u64) -> u64 {
             },
             Algorithm::Sliding { precision },
         ) => {
-            let (_, n, b) = buckets(c, precision.as_millis() as u64, now);
+            let (_, n, b) = buckets(c, precision.as_millis() as u64, now, list);
             add_to_bucket(list, total, n, b, cost);
             b
         }
@@ -718,6 +728,33 @@ mod tests {
             }
             assert!(charged > 50, "{algorithm:?}: only {charged} charged");
         }
+    }
+
+    #[test]
+    fn a_clock_stepped_back_counts_into_the_newest_bucket() {
+        let precision = std::time::Duration::from_secs(10);
+        let c = Counter {
+            algorithm: Algorithm::Sliding { precision },
+            limit: 5,
+            window_ms: 60_000,
+            ..counter(1, 1)
+        };
+        let store = MemoryStore::new(100);
+        let now = 1_000_000;
+        assert!(
+            store
+                .acquire(std::slice::from_ref(&c), 1, true, now)
+                .allowed
+        );
+        // The wall clock steps back 30 s, three buckets.
+        let back = store.acquire(std::slice::from_ref(&c), 1, true, now - 30_000);
+        assert!(back.allowed);
+        assert_eq!(back.marks[0], now / 10_000, "charged to the newest bucket");
+        assert_eq!(back.states[0].remaining, 3);
+        // 35 s on, both units are still in the window (the newest bucket's
+        // life, not the older one's): a check sees 2 used.
+        let later = store.acquire(std::slice::from_ref(&c), 1, false, now + 35_000);
+        assert_eq!(later.states[0].remaining, 2);
     }
 
     #[test]
