@@ -119,10 +119,11 @@ impl Store {
     ) -> Result<Outcome, StoreError> {
         match self {
             Store::Memory(m) => Ok(m.acquire(counters, cost, charge, now_ms)),
-            // Boxed: the Redis call's state is large, and every request's future
-            // would otherwise carry it (and move it), whatever its store.
+            // Not boxed: the usual Redis decision's future is small (its
+            // other ways are boxed inside).
             Store::Redis(r) => {
-                Box::pin(r.acquire(counters, memo, cost, u8::from(charge), now_ms)).await
+                r.acquire(counters, memo, cost, u8::from(charge), now_ms)
+                    .await
             }
         }
     }

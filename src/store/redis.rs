@@ -30,7 +30,7 @@ use redis::{RedisError, Script};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use super::pipe::{Command, Pipe, Reply, Target};
+use super::pipe::{Command, Pending, Pipe, Reply, Target};
 use super::{Counter, CounterState, Memo, Outcome, PerCounter, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
@@ -311,6 +311,75 @@ impl RedisStore {
     ) -> Result<Outcome, StoreError> {
         // One deadline for the whole decision, however many slots it takes.
         let deadline = Instant::now() + self.timeout;
+        // The usual decision (one server, a live connection, counters whose
+        // command `memo` keeps) is queued before the first wait, so that
+        // this future holds little more than the reply to come: the layers
+        // of futures the general way takes, and moving the outcome up
+        // through them, cost about 500 instructions a decision.
+        let head = self.head(mode, now_ms, cost);
+        if let Some(sent) = self.send_kept(memo, &head, deadline) {
+            let reply = match sent?.await? {
+                // Rare: boxed, so that this future need not carry its state.
+                Reply::Error(e) if e.starts_with("NOSCRIPT") => {
+                    Box::pin(self.eval_acquire(counters, &head, deadline)).await?
+                }
+                reply => checked(Ok(reply))?,
+            };
+            return read_outcome(&reply, counters.len());
+        }
+        // Boxed: the usual decision's future need not carry this one's state.
+        Box::pin(self.acquire_general(counters, memo, cost, mode, now_ms, deadline)).await
+    }
+
+    /// acquire.lua's `EVALSHA` as `memo` keeps it, with `head` written in,
+    /// queued on the live connection; `None` off the usual way (a cluster,
+    /// no memo or none kept yet, no live connection).
+    fn send_kept(
+        &self,
+        memo: Option<&Memo>,
+        head: &[u8; HEAD],
+        deadline: Instant,
+    ) -> Option<Result<Pending, StoreError>> {
+        let Conn::Single(pipe) = &self.conn else {
+            return None;
+        };
+        let (template, at) = memo?.0.get()?;
+        pipe.send_now(&template.with(*at, head), deadline)
+    }
+
+    /// acquire.lua's `EVAL` (its text, which Redis also caches) for
+    /// `counters` with `head`: after `NOSCRIPT`.
+    async fn eval_acquire(
+        &self,
+        counters: &[Counter],
+        head: &[u8; HEAD],
+        deadline: Instant,
+    ) -> Result<Reply, StoreError> {
+        let Conn::Single(pipe) = &self.conn else {
+            return Err(StoreError::Unavailable("no single Redis server".into()));
+        };
+        checked(
+            pipe.call(&self.eval_command(counters, head)?, deadline)
+                .await,
+        )
+    }
+
+    fn eval_command(&self, counters: &[Counter], head: &[u8; HEAD]) -> Result<Command, StoreError> {
+        let (keys, arg) = self.acquire_args(counters, head)?;
+        Ok(script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]))
+    }
+
+    /// [`RedisStore::acquire`] the general way: the first decision on a
+    /// memo, one without, or on a cluster, or while (re)connecting.
+    async fn acquire_general(
+        &self,
+        counters: &[Counter],
+        memo: Option<&Memo>,
+        cost: u64,
+        mode: u8,
+        now_ms: u64,
+        deadline: Instant,
+    ) -> Result<Outcome, StoreError> {
         // Not on a cluster (the usual case), or one slot: one call.
         let groups = self.slot_groups(counters);
         if groups.len() <= 1 {
@@ -318,8 +387,19 @@ impl RedisStore {
                 .acquire_one(counters, memo, cost, mode, now_ms, deadline)
                 .await;
         }
-        // Boxed: the usual decision's future need not carry this one's state.
-        Box::pin(self.acquire_slots(counters, groups, cost, mode, now_ms, deadline)).await
+        self.acquire_slots(counters, groups, cost, mode, now_ms, deadline)
+            .await
+    }
+
+    /// acquire.lua's per-call header: mode, now, cost and a fresh nonce.
+    fn head(&self, mode: u8, now_ms: u64, cost: u64) -> [u8; HEAD] {
+        let nonce = self.nonce.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1);
+        let mut head = [0u8; HEAD];
+        head[0] = mode;
+        head[1..9].copy_from_slice(&self.now_arg(now_ms).to_be_bytes());
+        head[9..17].copy_from_slice(&(cost as f64).to_be_bytes());
+        head[17..25].copy_from_slice(&(nonce as f64).to_be_bytes());
+        head
     }
 
     /// [`RedisStore::acquire`] of counters in several cluster slots, `groups`
@@ -432,14 +512,9 @@ impl RedisStore {
         now_ms: u64,
         deadline: Instant,
     ) -> Result<Outcome, StoreError> {
-        let nonce = self.nonce.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1);
         // One argument: the call's header, then the counters (a second
         // argument costs Redis about 1,500 instructions).
-        let mut head = [0u8; HEAD];
-        head[0] = mode;
-        head[1..9].copy_from_slice(&self.now_arg(now_ms).to_be_bytes());
-        head[9..17].copy_from_slice(&(cost as f64).to_be_bytes());
-        head[17..25].copy_from_slice(&(nonce as f64).to_be_bytes());
+        let head = self.head(mode, now_ms, cost);
         let reply = match (&self.conn, memo) {
             (Conn::Single(pipe), Some(memo)) => {
                 self.acquire_memo(pipe, memo, counters, &head, deadline)
@@ -451,16 +526,7 @@ impl RedisStore {
                     .await?
             }
         };
-        let outcome = match &reply {
-            Reply::Bulk(Some(bytes)) => parse_outcome(bytes, counters.len()),
-            _ => None,
-        };
-        outcome.ok_or_else(|| {
-            StoreError::Unavailable(format!(
-                "acquire.lua answered {reply:?} for {} counters",
-                counters.len()
-            ))
-        })
+        read_outcome(&reply, counters.len())
     }
 
     /// acquire.lua's keys and its one argument: `head`, then the counters.
@@ -496,10 +562,7 @@ impl RedisStore {
             }
         };
         let evalsha = template.with(*at, head);
-        let eval = || {
-            let (keys, arg) = self.acquire_args(counters, head)?;
-            Ok(script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]))
-        };
+        let eval = || self.eval_command(counters, head);
         run_script(pipe, &evalsha, eval, deadline).await
     }
 
@@ -650,6 +713,19 @@ fn spec(head: &[u8], counters: &[Counter], index: &[u8]) -> Vec<u8> {
     out
 }
 
+/// acquire.lua's answer for `count` counters, or an error that shows it.
+fn read_outcome(reply: &Reply, count: usize) -> Result<Outcome, StoreError> {
+    let outcome = match reply {
+        Reply::Bulk(Some(bytes)) => parse_outcome(bytes, count),
+        _ => None,
+    };
+    outcome.ok_or_else(|| {
+        StoreError::Unavailable(format!(
+            "acquire.lua answered {reply:?} for {count} counters"
+        ))
+    })
+}
+
 /// Reads acquire.lua's answer: `>B` allowed, `>d` now, then `>ddd` per
 /// counter (remaining, reset, mark), then, only when refused, `>d` per counter
 /// (retry; an allowed call's are all 0).
@@ -661,8 +737,10 @@ fn parse_outcome(reply: &[u8], count: usize) -> Option<Outcome> {
     }
     let num = |at: usize| -> Option<u64> {
         let bytes: [u8; 8] = reply.get(at..at + 8)?.try_into().ok()?;
-        // `as` saturates: a negative or NaN value reads as 0.
-        Some(f64::from_be_bytes(bytes) as u64)
+        // `as` saturates, and NaN reads as 0: a negative or NaN value reads
+        // as 0. Through i64, which x86-64 converts to in one instruction
+        // (the script's numbers are below 2^53).
+        Some((f64::from_be_bytes(bytes) as i64).max(0) as u64)
     };
     let mut states = PerCounter::with_capacity(count);
     let mut marks = PerCounter::with_capacity(count);
@@ -771,10 +849,12 @@ mod tests {
         denied[0] = 0;
         assert!(parse_outcome(&denied, 1).is_none());
         denied[9..17].copy_from_slice(&(-1.0f64).to_be_bytes());
+        denied[17..25].copy_from_slice(&f64::NAN.to_be_bytes());
         denied.extend_from_slice(&1500.0f64.to_be_bytes());
         let o = parse_outcome(&denied, 1).unwrap();
         assert!(!o.allowed);
         assert_eq!(o.states[0].remaining, 0);
+        assert_eq!(o.states[0].reset_ms, 0);
         assert_eq!(o.states[0].retry_ms, 1500);
         assert_eq!(o.marks[..], [30]);
     }
