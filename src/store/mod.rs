@@ -120,7 +120,9 @@ impl Store {
         match self {
             Store::Memory(m) => Ok(m.acquire(counters, cost, charge, now_ms)),
             // Not boxed: the usual Redis decision's future is small (its
-            // other ways are boxed inside).
+            // other ways are boxed inside). Carrying it costs a memory-store
+            // decision about 60 instructions (moving the larger future); the
+            // box cost each Redis decision about 90.
             Store::Redis(r) => {
                 r.acquire(counters, memo, cost, u8::from(charge), now_ms)
                     .await

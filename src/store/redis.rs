@@ -316,15 +316,17 @@ impl RedisStore {
         // this future holds little more than the reply to come: the layers
         // of futures the general way takes, and moving the outcome up
         // through them, cost about 500 instructions a decision.
-        let head = self.head(mode, now_ms, cost);
-        if let Some(sent) = self.send_kept(memo, &head, deadline) {
-            let reply = match sent?.await? {
-                // Rare: boxed, so that this future need not carry its state.
-                Reply::Error(e) if e.starts_with("NOSCRIPT") => {
-                    Box::pin(self.eval_acquire(counters, &head, deadline)).await?
-                }
-                reply => checked(Ok(reply))?,
-            };
+        let sent = self.send_kept(memo, &self.head(mode, now_ms, cost), deadline);
+        if let Some(sent) = sent {
+            match sent?.await? {
+                Reply::Error(e) if e.starts_with("NOSCRIPT") => {}
+                reply => return read_outcome(&checked(Ok(reply))?, counters.len()),
+            }
+            // Rare, and boxed: this future, which every decision's future
+            // carries whatever its store, holds only the reply to come. (The
+            // header is made again: the script did not run.)
+            let head = self.head(mode, now_ms, cost);
+            let reply = Box::pin(self.eval_acquire(counters, &head, deadline)).await?;
             return read_outcome(&reply, counters.len());
         }
         // Boxed: the usual decision's future need not carry this one's state.
