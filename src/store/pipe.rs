@@ -645,6 +645,15 @@ async fn read_loop<R: AsyncRead + Unpin>(link: Arc<Link>, mut r: R, mut buf: Vec
 /// One reply from the front of `buf` and its length, or `None` when it is not
 /// all there yet.
 fn parse(buf: &[u8]) -> Result<Option<(Reply, usize)>, String> {
+    parse_nested(buf, 0)
+}
+
+/// Arrays nested deeper than this are refused: the store's replies nest at
+/// most once, and a reader that recursed as deep as a (broken or hostile)
+/// server asked would overflow its stack.
+const MAX_NESTING: usize = 8;
+
+fn parse_nested(buf: &[u8], depth: usize) -> Result<Option<(Reply, usize)>, String> {
     let malformed = || "Redis sent a malformed reply".to_string();
     // A reply's first line: its kind, then up to "\r\n" (which a line never
     // holds otherwise). Found by its '\n', which takes fewer instructions than
@@ -679,6 +688,9 @@ fn parse(buf: &[u8]) -> Result<Option<(Reply, usize)>, String> {
             )
         }
         b'*' => {
+            if depth >= MAX_NESTING {
+                return Err(malformed());
+            }
             let count = number()?;
             if count < 0 {
                 return Ok(Some((Reply::Array(None), next)));
@@ -686,7 +698,7 @@ fn parse(buf: &[u8]) -> Result<Option<(Reply, usize)>, String> {
             let mut items = Vec::with_capacity((count as usize).min(64));
             let mut at = next;
             for _ in 0..count {
-                match parse(&buf[at..])? {
+                match parse_nested(&buf[at..], depth + 1)? {
                     Some((item, n)) => {
                         items.push(item);
                         at += n;
@@ -786,6 +798,11 @@ mod tests {
         assert_eq!(number(b"-9223372036854775808"), Some(i64::MIN));
         assert_eq!(number(b"9223372036854775808"), None);
         assert_eq!(number(b"-0"), Some(0));
+        // Arrays nest up to MAX_NESTING deep, no deeper.
+        let nested = |depth: usize| [&b"*1\r\n".repeat(depth)[..], b":7\r\n"].concat();
+        assert!(parse(&nested(MAX_NESTING)).unwrap().is_some());
+        assert!(parse(&nested(MAX_NESTING + 1)).is_err());
+        assert!(parse(&nested(100_000)).is_err());
     }
 
     #[test]
