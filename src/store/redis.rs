@@ -316,54 +316,43 @@ impl RedisStore {
         // this future holds little more than the reply to come: the layers
         // of futures the general way takes, and moving the outcome up
         // through them, cost about 500 instructions a decision.
-        let sent = self.send_kept(memo, &self.head(mode, now_ms, cost), deadline);
-        if let Some(sent) = sent {
+        if let Some((pipe, sent)) = self.send_kept(memo, mode, now_ms, cost, deadline) {
             match sent?.await? {
-                Reply::Error(e) if e.starts_with("NOSCRIPT") => {}
+                reply if is_noscript(&reply) => {}
                 reply => return read_outcome(&checked(Ok(reply))?, counters.len()),
             }
             // Rare, and boxed: this future, which every decision's future
             // carries whatever its store, holds only the reply to come. (The
             // header is made again: the script did not run.)
-            let head = self.head(mode, now_ms, cost);
-            let reply = Box::pin(self.eval_acquire(counters, &head, deadline)).await?;
+            let reply = Box::pin(async {
+                let eval = self.eval_command(counters, &self.head(mode, now_ms, cost))?;
+                checked(pipe.call(&eval, deadline).await)
+            })
+            .await?;
             return read_outcome(&reply, counters.len());
         }
         // Boxed: the usual decision's future need not carry this one's state.
         Box::pin(self.acquire_general(counters, memo, cost, mode, now_ms, deadline)).await
     }
 
-    /// acquire.lua's `EVALSHA` as `memo` keeps it, with `head` written in,
-    /// queued on the live connection; `None` off the usual way (a cluster,
-    /// no memo or none kept yet, no live connection).
+    /// acquire.lua's `EVALSHA` as `memo` keeps it, with a header made now,
+    /// queued on the live connection (which is returned too, for `EVAL`
+    /// after `NOSCRIPT`); `None` off the usual way (a cluster, no memo or
+    /// none kept yet, no live connection).
     fn send_kept(
         &self,
         memo: Option<&Memo>,
-        head: &[u8; HEAD],
+        mode: u8,
+        now_ms: u64,
+        cost: u64,
         deadline: Instant,
-    ) -> Option<Result<Pending, StoreError>> {
+    ) -> Option<(&Pipe, Result<Pending, StoreError>)> {
         let Conn::Single(pipe) = &self.conn else {
             return None;
         };
         let (template, at) = memo?.0.get()?;
-        pipe.send_now(&template.with(*at, head), deadline)
-    }
-
-    /// acquire.lua's `EVAL` (its text, which Redis also caches) for
-    /// `counters` with `head`: after `NOSCRIPT`.
-    async fn eval_acquire(
-        &self,
-        counters: &[Counter],
-        head: &[u8; HEAD],
-        deadline: Instant,
-    ) -> Result<Reply, StoreError> {
-        let Conn::Single(pipe) = &self.conn else {
-            return Err(StoreError::Unavailable("no single Redis server".into()));
-        };
-        checked(
-            pipe.call(&self.eval_command(counters, head)?, deadline)
-                .await,
-        )
+        let head = self.head(mode, now_ms, cost);
+        Some((pipe, pipe.send_now(&template.with(*at, &head), deadline)?))
     }
 
     fn eval_command(&self, counters: &[Counter], head: &[u8; HEAD]) -> Result<Command, StoreError> {
@@ -656,11 +645,15 @@ async fn run_script(
     deadline: Instant,
 ) -> Result<Reply, StoreError> {
     match pipe.call_parts(evalsha, deadline).await? {
-        Reply::Error(e) if e.starts_with("NOSCRIPT") => {
-            checked(pipe.call(&eval()?, deadline).await)
-        }
+        reply if is_noscript(&reply) => checked(pipe.call(&eval()?, deadline).await),
         reply => checked(Ok(reply)),
     }
+}
+
+/// Whether Redis answered that it does not have the script (restarted, or
+/// `SCRIPT FLUSH`): the call is made again with the script's text.
+fn is_noscript(reply: &Reply) -> bool {
+    matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
 }
 
 /// `EVALSHA` (or `EVAL`) of a script, by hash (or text), over `keys` and `args`.
