@@ -360,6 +360,12 @@ def targets(rows, extra, cost):
         if seed > 30:
             out.append(f"    (the seed reference took {seed:.1f} us here, against the issue's ~30: "
                        f"at the issue's speed that is {x * 30:.1f} us a decision)")
+        # What Redis itself costs here, with no counting (bench/redis_floor.lua):
+        # when that alone nears 10 us, no script could show the figure here.
+        floor = re.search(r"floor per decision: ([\d.]+) us", cost)
+        if floor:
+            out.append(f"    (a script that only reads and rewrites the identity's string took "
+                       f"{float(floor.group(1)):.1f} us here: the floor of any script on this machine)")
     m = re.search(r"per identity .*?: (\d+) bytes", cost)
     if m:
         check(int(m.group(1)) <= 600, f"Redis memory per identity: {m.group(1)} bytes (<= 600)")

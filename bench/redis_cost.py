@@ -15,7 +15,10 @@ given as a ratio to the reference, which holds still when the machine's load
 moves the microseconds. Three spells of four minutes are timed, each on its own:
 the CPU per decision reported is the quietest spell's (a neighbour on a shared
 machine only ever adds time), the ratio the median of the spells' ratios, and
-every spell's figures follow on a line of their own. Four minutes, because the
+every spell's figures follow on a line of their own. A third server replays the
+same minutes through bench/redis_floor.lua, which reads and rewrites a string of
+acquire.lua's size and answers as it does, with no counting: the floor that any
+script keeping an identity in one key pays on this machine. Four minutes, because the
 script moves an identity's expiry every fourth call at this traffic (see
 lua/acquire.lua): each spell has the long run's mix, one such call in four.
 
@@ -106,6 +109,16 @@ class Replay:
                        for x in pipe.execute()), "a decision was refused"
             yield
 
+    def fill(self, size):
+        """Gives each identity a string of `size` bytes that lives an hour
+        (for bench/redis_floor.lua, which only reads and rewrites it)."""
+        for first in range(0, self.identities, 500):
+            pipe = self.r.pipeline(transaction=False)
+            for i in range(first, min(first + 500, self.identities)):
+                ip = "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
+                pipe.set(key_for(ip), b"\1" + bytes(size - 1), px=3_600_000)
+            pipe.execute()
+
     def usec_per_call(self):
         return self.r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
 
@@ -120,29 +133,32 @@ class Replay:
 SPELLS, SPELL_MINUTES = 3, 4
 
 
-def measure(ours, ref):
-    """Fills both hours (60 live buckets per identity), then times more
-    minutes of each in spells, the two scripts' chunks interleaved so that
-    both meet the same machine (the usual neighbours move a lone figure by a
-    third or more). Returns each spell's (ours, reference) CPU microseconds
-    per decision."""
+def measure(ours, ref, floor):
+    """Fills both hours (60 live buckets per identity) and the floor's strings,
+    then times more minutes of each in spells, the scripts' chunks
+    interleaved so that all meet the same machine (the usual neighbours move
+    a lone figure by a third or more). Returns each spell's (ours, reference,
+    floor) CPU microseconds per decision."""
     for minute in range(59):
         for replay in (ours, ref):
             for _ in replay.chunks(minute, 500):
                 pass
-    # Chunk sizes in proportion, so both end each minute together.
-    ref_size = max(1, 500 * ref.identities // ours.identities)
+    floor.fill(len(ours.r.get(key_for("10.0.0.0"))))
+    # Chunk sizes in proportion, so all end each minute together.
+    others = [(replay, max(1, 500 * replay.identities // ours.identities)) for replay in (ref, floor)]
     timed = []
     for spell in range(SPELLS):
-        for replay in (ours, ref):
+        for replay in (ours, ref, floor):
             replay.r.config_resetstat()
         for minute in range(59 + spell * SPELL_MINUTES, 59 + (spell + 1) * SPELL_MINUTES):
-            theirs = ref.chunks(minute, ref_size)
+            theirs = [replay.chunks(minute, size) for replay, size in others]
             for _ in ours.chunks(minute, 500):
-                next(theirs, None)
-            for _ in theirs:
-                pass
-        timed.append((ours.usec_per_call(), ref.usec_per_call()))
+                for chunks in theirs:
+                    next(chunks, None)
+            for chunks in theirs:
+                for _ in chunks:
+                    pass
+        timed.append((ours.usec_per_call(), ref.usec_per_call(), floor.usec_per_call()))
     return timed
 
 
@@ -171,19 +187,27 @@ def main():
         started.append(ours)
         ref = Replay(os.path.join(ROOT, "bench", "seed_reference.lua"), ref_ids, seed_call)
         started.append(ref)
-        timed = measure(ours, ref)
+        floor = Replay(os.path.join(ROOT, "bench", "redis_floor.lua"), ref_ids, sluice_call)
+        started.append(floor)
+        timed = measure(ours, ref, floor)
         size, ref_size = ours.bytes_per_identity(), ref.bytes_per_identity()
     finally:
         for replay in started:
             replay.stop()
     print("identities: %d (seed reference: %d)" % (IDENTITIES, ref_ids))
-    usec, ref_usec = min(timed)
-    ratio = statistics.median(u / r for u, r in timed)
+    usec, ref_usec, floor_usec = min(timed)
+    ratio = statistics.median(u / r for u, r, _ in timed)
     print("redis CPU per decision (hour window full): %.2f us = %.2fx the seed reference (%.2f us)"
           % (usec, ratio, ref_usec))
     print("  the quietest of %d timed spells of %d minutes, with the seed reference's in that spell;"
           " the ratio is the median of the spells' ratios. Each spell, us per decision (seed"
-          " reference): %s" % (len(timed), SPELL_MINUTES, ", ".join("%.2f (%.2f)" % t for t in timed)))
+          " reference; floor): %s" % (len(timed), SPELL_MINUTES,
+                                      ", ".join("%.2f (%.2f; %.2f)" % t for t in timed)))
+    print("redis CPU floor per decision: %.2f us = %.2fx the seed reference; sluice's script is %.2fx it"
+          % (floor_usec, statistics.median(f / r for _, r, f in timed),
+             statistics.median(u / f for u, _, f in timed)))
+    print("  (bench/redis_floor.lua: the GET, the SET and the answer of a script that keeps an"
+          " identity in one string, with no counting; what Redis itself costs on this machine)")
     print("redis memory per identity (hour window full): %d bytes = %.2fx the seed reference (%d bytes)"
           % (size, size / ref_size, ref_size))
 
