@@ -235,3 +235,114 @@ async fn replies_to_timed_out_calls_do_not_reach_later_calls() {
         91
     );
 }
+
+/// A TCP relay to Redis whose connections can be made to go silent: they stay
+/// open but pass nothing on, as with a host gone dark. Connections made after
+/// that pass bytes as usual (the address now leads to a live server).
+struct Relay {
+    port: u16,
+    /// Connections numbered below this pass nothing on.
+    silent_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    made: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Relay {
+    async fn start(redis_port: u16) -> Relay {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let silent_below = Arc::new(AtomicU64::new(0));
+        let made = Arc::new(AtomicU64::new(0));
+        let (silent, count) = (silent_below.clone(), made.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let n = count.fetch_add(1, Ordering::SeqCst);
+                let redis = tokio::net::TcpStream::connect(("127.0.0.1", redis_port))
+                    .await
+                    .unwrap();
+                let (cr, cw) = client.into_split();
+                let (rr, rw) = redis.into_split();
+                for (mut from, mut to) in [
+                    (
+                        Box::new(cr) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+                        Box::new(rw) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+                    ),
+                    (Box::new(rr), Box::new(cw)),
+                ] {
+                    let silent = silent.clone();
+                    tokio::spawn(async move {
+                        let mut buf = vec![0; 64 * 1024];
+                        while let Ok(read @ 1..) = from.read(&mut buf).await {
+                            if n < silent.load(Ordering::SeqCst) {
+                                // Keeps both ends open, passing nothing on.
+                                std::future::pending::<()>().await;
+                            }
+                            if to.write_all(&buf[..read]).await.is_err() {
+                                break;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Relay {
+            port,
+            silent_below,
+            made,
+        }
+    }
+
+    /// Every connection made so far goes silent.
+    fn silence(&self) {
+        let made = self.made.load(std::sync::atomic::Ordering::SeqCst);
+        self.silent_below
+            .store(made, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn connections(&self) -> u64 {
+        self.made.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A Redis connection that goes silent but stays open (a host gone dark, a
+/// failover that moved the address) is taken for dead once a call is
+/// `GIVE_UP` (1 s) late, and the next request connects anew: limiting comes
+/// back without a restart, instead of every request timing out until the
+/// kernel gives the connection up.
+#[tokio::test]
+async fn a_connection_gone_silent_is_made_anew() {
+    let up = Upstream::start().await;
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port).await;
+    let s = start(relay.port, &up, "allow", 1000).await;
+    let r = get(&s.url("/"), &[]).await;
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("999"));
+    assert_eq!(relay.connections(), 1);
+
+    relay.silence();
+    let silent = Instant::now();
+    let mut failed_open = 0;
+    loop {
+        let r = get(&s.url("/"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK);
+        if let Some(remaining) = r.header("x-ratelimit-remaining") {
+            // The silenced call reached Redis no more; this one is counted.
+            assert_eq!(remaining, "998");
+            break;
+        }
+        failed_open += 1;
+        assert!(
+            silent.elapsed() < Duration::from_secs(10),
+            "still failing {:?} after the connection went silent",
+            silent.elapsed()
+        );
+    }
+    eprintln!(
+        "limiting back {:?} after the connection went silent ({failed_open} requests failed open)",
+        silent.elapsed()
+    );
+    assert!(failed_open > 0, "the silent connection was never used");
+    assert_eq!(relay.connections(), 2, "one new connection");
+}

@@ -21,6 +21,12 @@
 //! the calls whose deadline has passed with a timeout (their replies, still
 //! due, are dropped when they come), and sleeps again; with no call waiting
 //! it waits for one. Under load it wakes about once per `store.timeout`.
+//!
+//! A server that stops answering but keeps the connection (a host gone dark,
+//! a failover that moved its address) would otherwise keep every call timing
+//! out on it until the kernel gave up, a quarter of an hour later. So the
+//! watchdog also takes the connection for dead once its oldest call has gone
+//! unanswered [`GIVE_UP`] past its deadline, and the next call connects anew.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,6 +45,12 @@ use super::StoreError;
 /// Calls waiting for replies on one connection, at most: a Redis that stopped
 /// answering (but kept the connection) must not make the queue grow forever.
 const MAX_WAITING: usize = 10_000;
+
+/// How long past its deadline a call's reply may be late before the
+/// connection is taken for dead. Long enough for a Redis busy with a slow
+/// command or a fork to catch up; short enough that a dead peer costs
+/// seconds of failed decisions, not the kernel's quarter of an hour.
+pub const GIVE_UP: Duration = Duration::from_secs(1);
 
 /// A reply, as far as the store reads replies (RESP2).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -425,12 +437,24 @@ impl Link {
         }
     }
 
-    /// Times out the calls whose deadline has passed; returns the earliest
-    /// deadline left, which it also sets as the alarm.
-    fn expire(&self, now: Instant) -> Option<Instant> {
+    /// Times out the calls whose deadline has passed; returns when to look
+    /// again (which it also sets as the alarm): the earliest deadline left,
+    /// or when the oldest call will be [`GIVE_UP`] late. `Err` once it is.
+    fn expire(&self, now: Instant) -> Result<Option<Instant>, String> {
         let mut s = self.lock();
         let s = &mut *s;
-        let mut earliest: Option<Instant> = None;
+        // Redis answers in order: the front call is the one that waited
+        // longest for an answer.
+        let mut earliest = match s.waiting.front() {
+            Some(oldest) if oldest.deadline + GIVE_UP <= now => {
+                return Err(format!(
+                    "Redis did not answer for {} ms past a call's deadline; connecting again",
+                    GIVE_UP.as_millis()
+                ));
+            }
+            Some(oldest) => Some(oldest.deadline + GIVE_UP),
+            None => None,
+        };
         for w in s.waiting.range_mut(s.timed_out..) {
             if w.deadline <= now {
                 if let Some(tx) = w.reply.take() {
@@ -448,7 +472,7 @@ impl Link {
             s.timed_out += 1;
         }
         s.alarm = earliest;
-        earliest
+        Ok(earliest)
     }
 
     /// Breaks the link: every waiting call gets `error`, both tasks stop.
@@ -600,13 +624,17 @@ async fn watch_loop(link: Arc<Link>) {
         // A call queued between `expire` and the wait has notified `watch`,
         // which keeps that for the wait.
         match link.expire(Instant::now()) {
-            Some(at) => {
+            Ok(Some(at)) => {
                 tokio::select! {
                     () = tokio::time::sleep_until(at) => {}
                     () = link.watch.notified() => {}
                 }
             }
-            None => link.watch.notified().await,
+            Ok(None) => link.watch.notified().await,
+            Err(dead) => {
+                link.fail(dead);
+                return;
+            }
         }
     }
 }
