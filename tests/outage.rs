@@ -243,25 +243,29 @@ struct Relay {
     port: u16,
     /// Connections numbered below this pass nothing on.
     silent_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// The Redis port that new connections lead to.
+    to: std::sync::Arc<std::sync::atomic::AtomicU16>,
     made: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Relay {
     async fn start(redis_port: u16) -> Relay {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let silent_below = Arc::new(AtomicU64::new(0));
         let made = Arc::new(AtomicU64::new(0));
-        let (silent, count) = (silent_below.clone(), made.clone());
+        let to = Arc::new(AtomicU16::new(redis_port));
+        let (silent, count, port_now) = (silent_below.clone(), made.clone(), to.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let n = count.fetch_add(1, Ordering::SeqCst);
-                let redis = tokio::net::TcpStream::connect(("127.0.0.1", redis_port))
-                    .await
-                    .unwrap();
+                let redis =
+                    tokio::net::TcpStream::connect(("127.0.0.1", port_now.load(Ordering::SeqCst)))
+                        .await
+                        .unwrap();
                 let (cr, cw) = client.into_split();
                 let (rr, rw) = redis.into_split();
                 for (mut from, mut to) in [
@@ -290,6 +294,7 @@ impl Relay {
         Relay {
             port,
             silent_below,
+            to,
             made,
         }
     }
@@ -299,6 +304,12 @@ impl Relay {
         let made = self.made.load(std::sync::atomic::Ordering::SeqCst);
         self.silent_below
             .store(made, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// New connections lead to the Redis on `port` (as a name would after a
+    /// failover).
+    fn point_to(&self, port: u16) {
+        self.to.store(port, std::sync::atomic::Ordering::SeqCst);
     }
 
     fn connections(&self) -> u64 {
@@ -345,4 +356,48 @@ async fn a_connection_gone_silent_is_made_anew() {
     );
     assert!(failed_open > 0, "the silent connection was never used");
     assert_eq!(relay.connections(), 2, "one new connection");
+}
+
+/// A failover behind one address (a managed Redis's primary endpoint, moved to
+/// the promoted replica): the old connection leads to a server that became a
+/// replica, which refuses the script's write with READONLY. sluice connects
+/// anew and counts on the new primary, instead of failing every decision on
+/// the old connection.
+#[tokio::test]
+async fn a_primary_turned_replica_is_left_for_the_new_one() {
+    let up = Upstream::start().await;
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let relay = Relay::start(old.port).await;
+    let s = start(relay.port, &up, "allow", 1000).await;
+    for want in ["999", "998"] {
+        let r = get(&s.url("/"), &[]).await;
+        assert_eq!(r.header("x-ratelimit-remaining"), Some(want));
+    }
+
+    // The failover: the old primary follows the new one, and the address
+    // leads to the new one.
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(new.port)
+        .query(&mut old.conn())
+        .unwrap();
+    relay.point_to(new.port);
+    let mut failed_open = 0;
+    loop {
+        let r = get(&s.url("/"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK);
+        if let Some(remaining) = r.header("x-ratelimit-remaining") {
+            // The new primary's count (this one never had the old one's data).
+            assert_eq!(remaining, "999");
+            break;
+        }
+        failed_open += 1;
+        assert!(
+            failed_open < 5,
+            "still failing after {failed_open} requests"
+        );
+    }
+    assert_eq!(failed_open, 1, "only the request that met READONLY");
+    assert_eq!(relay.connections(), 2, "one new connection");
+    assert!(s.metric("sluice_store_errors_total").await >= 1.0);
 }

@@ -27,6 +27,9 @@
 //! out on it until the kernel gave up, a quarter of an hour later. So the
 //! watchdog also takes the connection for dead once its oldest call has gone
 //! unanswered [`GIVE_UP`] past its deadline, and the next call connects anew.
+//! Likewise a server that answers `READONLY`: it became a replica, as after a
+//! failover behind one name (a managed Redis's primary endpoint), and a new
+//! connection finds the new primary.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -646,6 +649,13 @@ async fn read_loop<R: AsyncRead + Unpin>(link: Arc<Link>, mut r: R, mut buf: Vec
             match parse(&buf[at..]) {
                 Ok(Some((reply, n))) => {
                     at += n;
+                    // Before anyone is answered, so that no call goes to this
+                    // server once one has seen it refuse.
+                    if let Some(refusal) = demoted(&reply) {
+                        break Err(format!(
+                            "Redis is a replica now ({refusal}); connecting again"
+                        ));
+                    }
                     if let Err(e) = link.deliver(reply) {
                         break Err(e);
                     }
@@ -668,6 +678,15 @@ async fn read_loop<R: AsyncRead + Unpin>(link: Arc<Link>, mut r: R, mut buf: Vec
         }
     };
     link.fail(error);
+}
+
+/// The refusal of a server that became a replica: `READONLY`, or before Redis
+/// 7 a script error that carries it.
+fn demoted(reply: &Reply) -> Option<&str> {
+    match reply {
+        Reply::Error(e) if e.starts_with("READONLY") || e.contains("-READONLY") => Some(e),
+        _ => None,
+    }
 }
 
 /// One reply from the front of `buf` and its length, or `None` when it is not
