@@ -221,3 +221,43 @@ async fn a_master_failover_interrupts_limiting_only_until_the_promotion() {
     let after = limited_again.expect("limiting did not resume after the failover");
     eprintln!("limiting resumed {after:?} after the master was killed");
 }
+
+/// A master that hangs (SIGSTOP) but keeps its connections open: the cluster
+/// promotes its replica, and sluice must find the new master rather than wait
+/// on the hung one for ever.
+#[tokio::test]
+async fn a_hung_master_is_left_for_its_promoted_replica() {
+    let cluster = RedisCluster::start(3);
+    let up = Upstream::start().await;
+    let policy = "[policies.p]\nlimits = [{ limit = 1000, window = \"1h\" }]";
+    let cfg = config(
+        &format!("cluster = [{}]", cluster.seeds_toml()),
+        &up,
+        policy,
+    )
+    .replace("timeout = \"1s\"", "timeout = \"300ms\"")
+    .replace("on_error = \"deny\"", "on_error = \"allow\"");
+    let s = Sluice::start(&cfg).await;
+    let r = get(&s.url("/"), &[]).await;
+    assert_eq!(r.header_u64("x-ratelimit-remaining"), 999);
+    let key = cluster.keys().into_iter().next().unwrap();
+    let hung = cluster.master_of(&key);
+    cluster.nodes[hung].signal("-STOP");
+    let stopped = Instant::now();
+    let mut limited_again = None;
+    while stopped.elapsed() < Duration::from_secs(20) {
+        let r = get(&s.url("/"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK);
+        if let Some(remaining) = r.header("x-ratelimit-remaining") {
+            let remaining: u64 = remaining.parse().unwrap();
+            assert!(remaining < 999, "{remaining}");
+            limited_again = Some(stopped.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.nodes[hung].signal("-CONT");
+    let after =
+        limited_again.expect("limiting did not resume after the hung master's replica took over");
+    eprintln!("limiting resumed {after:?} after the master hung");
+}

@@ -13,6 +13,13 @@
 //! cluster client, also connected lazily, which follows slot moves and
 //! failovers. Every call is bounded by `store.timeout`.
 //!
+//! A cluster node that hangs, or is cut off, keeps its connections open, and
+//! the redis crate retries a timed-out call on the same connection without
+//! reading the slot map again: it would never find the replica promoted in
+//! its place. So when cluster calls keep timing out for [`GIVE_UP`], a new
+//! cluster connection is made in the background (the slot map read afresh)
+//! and replaces the old one.
+//!
 //! A script may only touch keys of one cluster slot. All counters of one
 //! identity share a hash tag, so a request with one identity is still one
 //! call. A request whose identities live in different slots (`global` next to
@@ -20,17 +27,16 @@
 //! if a later slot rejects, the reservations already taken are refunded, so
 //! nothing is over-charged.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
-use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use super::pipe::{Command, Pending, Pipe, Reply, Target};
+use super::pipe::{Command, GIVE_UP, Pending, Pipe, Reply, Target};
 use super::{Counter, CounterState, Memo, Outcome, PerCounter, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
@@ -46,17 +52,98 @@ enum Conn {
 
 struct Cluster {
     client: ClusterClient,
-    conn: OnceCell<ClusterConnection>,
+    /// The connection in use: made on first use, replaced after a stall.
+    conn: Arc<RwLock<Option<ClusterConnection>>>,
+    /// Held while the first connection is made.
+    connecting: tokio::sync::Mutex<()>,
+    /// The current run of timeouts: when it began, and its latest.
+    stall: Mutex<Option<(Instant, Instant)>>,
+    /// Whether a replacement connection is being made.
+    replacing: Arc<AtomicBool>,
 }
 
 impl Cluster {
-    /// The cluster's connection (made on first use).
+    fn new(client: ClusterClient) -> Cluster {
+        Cluster {
+            client,
+            conn: Arc::new(RwLock::new(None)),
+            connecting: tokio::sync::Mutex::new(()),
+            stall: Mutex::new(None),
+            replacing: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The cluster's connection (made on first use, one attempt at a time).
     async fn connection(&self) -> Result<ClusterConnection, RedisError> {
-        let c = self
-            .conn
-            .get_or_try_init(|| self.client.get_async_connection())
-            .await?;
-        Ok(c.clone())
+        if let Some(c) = self.current() {
+            return Ok(c);
+        }
+        let _one = self.connecting.lock().await;
+        if let Some(c) = self.current() {
+            return Ok(c);
+        }
+        let c = self.client.get_async_connection().await?;
+        *self.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(c.clone());
+        Ok(c)
+    }
+
+    fn current(&self) -> Option<ClusterConnection> {
+        self.conn.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A call's reply by `deadline`; timeouts are watched for a stall.
+    async fn within(
+        &self,
+        deadline: Instant,
+        call: impl std::future::Future<Output = Result<Reply, RedisError>>,
+    ) -> Result<Reply, StoreError> {
+        let reply = match tokio::time::timeout_at(deadline, call).await {
+            Err(_) => Err(StoreError::Timeout),
+            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e.to_string())),
+            Ok(Ok(reply)) => Ok(reply),
+        };
+        if matches!(reply, Err(StoreError::Timeout)) {
+            self.timed_out(Instant::now());
+        }
+        checked(reply)
+    }
+
+    /// Counts a timeout into the current run of them (a gap of more than
+    /// [`GIVE_UP`] ends a run). A run longer than that is a stall: a new
+    /// connection is made in the background, so that no request waits for
+    /// it, and replaces the old one once it is ready. Until the cluster has
+    /// promoted a replica the new one stalls too, and is replaced in turn.
+    fn timed_out(&self, now: Instant) {
+        let stalled = {
+            let mut run = self.stall.lock().unwrap_or_else(|e| e.into_inner());
+            let began = match *run {
+                Some((began, latest)) if now - latest <= GIVE_UP => began,
+                _ => now,
+            };
+            let stalled = now - began >= GIVE_UP;
+            *run = if stalled { None } else { Some((began, now)) };
+            stalled
+        };
+        if !stalled || self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (client, conn, replacing) = (
+            self.client.clone(),
+            self.conn.clone(),
+            self.replacing.clone(),
+        );
+        tokio::spawn(async move {
+            // Each node's connection is bounded by `store.timeout`; this
+            // bounds the whole in case the redis crate waits longer.
+            let made = tokio::time::timeout(10 * GIVE_UP, client.get_async_connection()).await;
+            match made {
+                Ok(Ok(c)) => *conn.write().unwrap_or_else(|e| e.into_inner()) = Some(c),
+                Ok(Err(e)) => tracing::debug!(error = %e, "could not reconnect to the cluster"),
+                Err(_) => tracing::debug!("timed out reconnecting to the cluster"),
+            }
+            replacing.store(false, Ordering::Release);
+        });
     }
 }
 
@@ -116,10 +203,7 @@ impl RedisStore {
                     .max_retry_wait(100)
                     .build()
                     .map_err(bad)?;
-                Conn::Cluster(Box::new(Cluster {
-                    client,
-                    conn: OnceCell::new(),
-                }))
+                Conn::Cluster(Box::new(Cluster::new(client)))
             }
         };
         Ok(RedisStore(Arc::new(Inner {
@@ -194,14 +278,11 @@ impl RedisStore {
                     args.iter().for_each(|a| {
                         cmd.arg(*a);
                     });
-                    let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
-                    let value: redis::Value = cmd
-                        .query_async(&mut conn)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let mut conn = cluster.connection().await?;
+                    let value: redis::Value = cmd.query_async(&mut conn).await?;
                     Ok(reply_of(value))
                 };
-                within(deadline, call).await
+                cluster.within(deadline, call).await
             }
         }
     }
@@ -287,14 +368,11 @@ impl RedisStore {
                     args.iter().for_each(|a| {
                         inv.arg(*a);
                     });
-                    let mut conn = cluster.connection().await.map_err(|e| e.to_string())?;
-                    let value: redis::Value = inv
-                        .invoke_async(&mut conn)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let mut conn = cluster.connection().await?;
+                    let value: redis::Value = inv.invoke_async(&mut conn).await?;
                     Ok(reply_of(value))
                 };
-                Box::pin(within(deadline, call)).await
+                Box::pin(cluster.within(deadline, call)).await
             }
         }
     }
@@ -620,18 +698,6 @@ fn checked(reply: Result<Reply, StoreError>) -> Result<Reply, StoreError> {
     match reply {
         Ok(Reply::Error(e)) => Err(StoreError::Unavailable(e)),
         other => other,
-    }
-}
-
-/// A cluster call's reply by `deadline` (the pipe keeps its calls' deadlines
-/// itself).
-async fn within(
-    deadline: Instant,
-    call: impl std::future::Future<Output = Result<Reply, String>>,
-) -> Result<Reply, StoreError> {
-    match tokio::time::timeout_at(deadline, call).await {
-        Err(_) => Err(StoreError::Timeout),
-        Ok(reply) => checked(reply.map_err(StoreError::Unavailable)),
     }
 }
 

@@ -703,6 +703,15 @@ impl RedisCluster {
 
     /// Kills the master serving `key`'s slot; returns its index in `nodes`.
     pub fn kill_master_of(&mut self, key: &str) -> usize {
+        let i = self.master_of(key);
+        let _ = self.nodes[i].child.kill();
+        let _ = self.nodes[i].child.wait();
+        i
+    }
+
+    /// The index in `nodes` of the master serving `key`'s slot, once its
+    /// replica has caught up with it.
+    pub fn master_of(&self, key: &str) -> usize {
         let conn = &mut self.nodes[0].conn();
         let slot: u16 = redis::cmd("CLUSTER")
             .arg("KEYSLOT")
@@ -759,8 +768,6 @@ impl RedisCluster {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = self.nodes[i].child.kill();
-        let _ = self.nodes[i].child.wait();
         i
     }
 }
