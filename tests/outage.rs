@@ -3,6 +3,8 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
@@ -131,8 +133,6 @@ async fn hung_redis_is_treated_like_a_dead_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_and_script_flush_under_load_give_no_client_errors() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let up = Upstream::start().await;
     let redis = RedisServer::start();
     let s = Arc::new(start(redis.port, &up, "allow", 1_000_000).await);
@@ -242,16 +242,14 @@ async fn replies_to_timed_out_calls_do_not_reach_later_calls() {
 struct Relay {
     port: u16,
     /// Connections numbered below this pass nothing on.
-    silent_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    silent_below: Arc<AtomicU64>,
     /// The Redis port that new connections lead to.
-    to: std::sync::Arc<std::sync::atomic::AtomicU16>,
-    made: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    to: Arc<AtomicU16>,
+    made: Arc<AtomicU64>,
 }
 
 impl Relay {
     async fn start(redis_port: u16) -> Relay {
-        use std::sync::Arc;
-        use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -301,19 +299,18 @@ impl Relay {
 
     /// Every connection made so far goes silent.
     fn silence(&self) {
-        let made = self.made.load(std::sync::atomic::Ordering::SeqCst);
-        self.silent_below
-            .store(made, std::sync::atomic::Ordering::SeqCst);
+        let made = self.made.load(Ordering::SeqCst);
+        self.silent_below.store(made, Ordering::SeqCst);
     }
 
     /// New connections lead to the Redis on `port` (as a name would after a
     /// failover).
     fn point_to(&self, port: u16) {
-        self.to.store(port, std::sync::atomic::Ordering::SeqCst);
+        self.to.store(port, Ordering::SeqCst);
     }
 
     fn connections(&self) -> u64 {
-        self.made.load(std::sync::atomic::Ordering::SeqCst)
+        self.made.load(Ordering::SeqCst)
     }
 }
 
