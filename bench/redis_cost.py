@@ -65,6 +65,11 @@ def free_port():
     return port
 
 
+def ip_of(i):
+    """Identity number `i`'s client address."""
+    return "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
+
+
 def key_for(ip):
     """The identity's packed string, named as src/limiter.rs names it."""
     tag = base64.urlsafe_b64encode(hashlib.sha256(b"ip\0" + ip.encode()).digest()[:16]).rstrip(b"=").decode()
@@ -102,8 +107,7 @@ class Replay:
         for first in range(0, self.identities, size):
             pipe = self.r.pipeline(transaction=False)
             for i in range(first, min(first + size, self.identities)):
-                ip = "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
-                self.call(self.script, pipe, i, ip, now)
+                self.call(self.script, pipe, i, ip_of(i), now)
             # A refusal would make either script look cheaper than it is.
             assert all(x == 0 or isinstance(x, bytes) and x[:1] == b"\x01"
                        for x in pipe.execute()), "a decision was refused"
@@ -115,8 +119,7 @@ class Replay:
         for first in range(0, self.identities, 500):
             pipe = self.r.pipeline(transaction=False)
             for i in range(first, min(first + 500, self.identities)):
-                ip = "10.%d.%d.%d" % (i >> 16 & 255, i >> 8 & 255, i & 255)
-                pipe.set(key_for(ip), b"\1" + bytes(size - 1), px=3_600_000)
+                pipe.set(key_for(ip_of(i)), b"\1" + bytes(size - 1), px=3_600_000)
             pipe.execute()
 
     def usec_per_call(self):
@@ -143,7 +146,7 @@ def measure(ours, ref, floor):
         for replay in (ours, ref):
             for _ in replay.chunks(minute, 500):
                 pass
-    floor.fill(len(ours.r.get(key_for("10.0.0.0"))))
+    floor.fill(len(ours.r.get(key_for(ip_of(0)))))
     # Chunk sizes in proportion, so all end each minute together.
     others = [(replay, max(1, 500 * replay.identities // ours.identities)) for replay in (ref, floor)]
     timed = []

@@ -180,27 +180,24 @@ async fn global_and_per_client_limits_across_slots_without_overcharging() {
     assert_eq!(policy_header, "1", "the client's own limit binds");
 }
 
-#[tokio::test]
-async fn a_master_failover_interrupts_limiting_only_until_the_promotion() {
-    let mut cluster = RedisCluster::start(3);
-    let up = Upstream::start().await;
+/// sluice on `cluster` (store timeout 300 ms, failing open), with one request
+/// of a 1000-an-hour limit counted.
+async fn counting_on(cluster: &RedisCluster, up: &Upstream) -> Sluice {
     let policy = "[policies.p]\nlimits = [{ limit = 1000, window = \"1h\" }]";
-    let cfg = config(
-        &format!("cluster = [{}]", cluster.seeds_toml()),
-        &up,
-        policy,
-    )
-    .replace("timeout = \"1s\"", "timeout = \"300ms\"")
-    .replace("on_error = \"deny\"", "on_error = \"allow\"");
+    let cfg = config(&format!("cluster = [{}]", cluster.seeds_toml()), up, policy)
+        .replace("timeout = \"1s\"", "timeout = \"300ms\"")
+        .replace("on_error = \"deny\"", "on_error = \"allow\"");
     let s = Sluice::start(&cfg).await;
     let r = get(&s.url("/"), &[]).await;
     assert_eq!(r.header_u64("x-ratelimit-remaining"), 999);
-    let key = cluster.keys().into_iter().next().unwrap();
-    cluster.kill_master_of(&key);
-    // While the replica is promoted, requests pass (fail open), each quickly.
-    let killed = Instant::now();
-    let mut limited_again = None;
-    while killed.elapsed() < Duration::from_secs(15) {
+    s
+}
+
+/// Requests until one is counted again, each passing (failing open) and
+/// quickly meanwhile; how long after `since` that was, or `None` if not
+/// within `within`.
+async fn limiting_resumes(s: &Sluice, since: Instant, within: Duration) -> Option<Duration> {
+    while since.elapsed() < within {
         let started = Instant::now();
         let r = get(&s.url("/"), &[]).await;
         assert_eq!(r.status, StatusCode::OK);
@@ -213,12 +210,24 @@ async fn a_master_failover_interrupts_limiting_only_until_the_promotion() {
             let remaining: u64 = remaining.parse().unwrap();
             // The replica had the count: limiting continues where it was.
             assert!(remaining < 999, "{remaining}");
-            limited_again = Some(killed.elapsed());
-            break;
+            return Some(since.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let after = limited_again.expect("limiting did not resume after the failover");
+    None
+}
+
+#[tokio::test]
+async fn a_master_failover_interrupts_limiting_only_until_the_promotion() {
+    let mut cluster = RedisCluster::start(3);
+    let up = Upstream::start().await;
+    let s = counting_on(&cluster, &up).await;
+    let key = cluster.keys().into_iter().next().unwrap();
+    cluster.kill_master_of(&key);
+    // While the replica is promoted, requests pass (fail open), each quickly.
+    let after = limiting_resumes(&s, Instant::now(), Duration::from_secs(15))
+        .await
+        .expect("limiting did not resume after the failover");
     eprintln!("limiting resumed {after:?} after the master was killed");
 }
 
@@ -229,35 +238,12 @@ async fn a_master_failover_interrupts_limiting_only_until_the_promotion() {
 async fn a_hung_master_is_left_for_its_promoted_replica() {
     let cluster = RedisCluster::start(3);
     let up = Upstream::start().await;
-    let policy = "[policies.p]\nlimits = [{ limit = 1000, window = \"1h\" }]";
-    let cfg = config(
-        &format!("cluster = [{}]", cluster.seeds_toml()),
-        &up,
-        policy,
-    )
-    .replace("timeout = \"1s\"", "timeout = \"300ms\"")
-    .replace("on_error = \"deny\"", "on_error = \"allow\"");
-    let s = Sluice::start(&cfg).await;
-    let r = get(&s.url("/"), &[]).await;
-    assert_eq!(r.header_u64("x-ratelimit-remaining"), 999);
+    let s = counting_on(&cluster, &up).await;
     let key = cluster.keys().into_iter().next().unwrap();
     let hung = cluster.master_of(&key);
     cluster.nodes[hung].signal("-STOP");
-    let stopped = Instant::now();
-    let mut limited_again = None;
-    while stopped.elapsed() < Duration::from_secs(20) {
-        let r = get(&s.url("/"), &[]).await;
-        assert_eq!(r.status, StatusCode::OK);
-        if let Some(remaining) = r.header("x-ratelimit-remaining") {
-            let remaining: u64 = remaining.parse().unwrap();
-            assert!(remaining < 999, "{remaining}");
-            limited_again = Some(stopped.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let resumed = limiting_resumes(&s, Instant::now(), Duration::from_secs(20)).await;
     cluster.nodes[hung].signal("-CONT");
-    let after =
-        limited_again.expect("limiting did not resume after the hung master's replica took over");
+    let after = resumed.expect("limiting did not resume after the hung master's replica took over");
     eprintln!("limiting resumed {after:?} after the master hung");
 }

@@ -314,6 +314,25 @@ impl Relay {
     }
 }
 
+/// Requests until one is counted again (has rate-limit fields), each passing
+/// (failing open) meanwhile; `may_fail` is asked after each failed one, with
+/// how many have. Returns that number and the counted one's remaining.
+async fn until_counted(s: &Sluice, may_fail: impl Fn(u32) -> bool) -> (u32, String) {
+    let mut failed_open = 0;
+    loop {
+        let r = get(&s.url("/"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK);
+        if let Some(remaining) = r.header("x-ratelimit-remaining") {
+            return (failed_open, remaining.to_string());
+        }
+        failed_open += 1;
+        assert!(
+            may_fail(failed_open),
+            "still failing open after {failed_open} requests"
+        );
+    }
+}
+
 /// A Redis connection that goes silent but stays open (a host gone dark, a
 /// failover that moved the address) is taken for dead once a call is
 /// `GIVE_UP` (1 s) late, and the next request connects anew: limiting comes
@@ -331,22 +350,10 @@ async fn a_connection_gone_silent_is_made_anew() {
 
     relay.silence();
     let silent = Instant::now();
-    let mut failed_open = 0;
-    loop {
-        let r = get(&s.url("/"), &[]).await;
-        assert_eq!(r.status, StatusCode::OK);
-        if let Some(remaining) = r.header("x-ratelimit-remaining") {
-            // The silenced call reached Redis no more; this one is counted.
-            assert_eq!(remaining, "998");
-            break;
-        }
-        failed_open += 1;
-        assert!(
-            silent.elapsed() < Duration::from_secs(10),
-            "still failing {:?} after the connection went silent",
-            silent.elapsed()
-        );
-    }
+    let (failed_open, remaining) =
+        until_counted(&s, |_| silent.elapsed() < Duration::from_secs(10)).await;
+    // The silenced call reached Redis no more; this one is counted.
+    assert_eq!(remaining, "998");
     eprintln!(
         "limiting back {:?} after the connection went silent ({failed_open} requests failed open)",
         silent.elapsed()
@@ -379,21 +386,9 @@ async fn a_primary_turned_replica_is_left_for_the_new_one() {
         .query(&mut old.conn())
         .unwrap();
     relay.point_to(new.port);
-    let mut failed_open = 0;
-    loop {
-        let r = get(&s.url("/"), &[]).await;
-        assert_eq!(r.status, StatusCode::OK);
-        if let Some(remaining) = r.header("x-ratelimit-remaining") {
-            // The new primary's count (this one never had the old one's data).
-            assert_eq!(remaining, "999");
-            break;
-        }
-        failed_open += 1;
-        assert!(
-            failed_open < 5,
-            "still failing after {failed_open} requests"
-        );
-    }
+    let (failed_open, remaining) = until_counted(&s, |failed| failed < 5).await;
+    // The new primary's count (this one never had the old one's data).
+    assert_eq!(remaining, "999");
     assert_eq!(failed_open, 1, "only the request that met READONLY");
     assert_eq!(relay.connections(), 2, "one new connection");
     assert!(s.metric("sluice_store_errors_total").await >= 1.0);
