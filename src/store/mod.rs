@@ -21,7 +21,17 @@ pub mod memory;
 mod pipe;
 pub mod redis;
 
+use std::time::Duration;
+
 use crate::config::Algorithm;
+
+/// How long Redis may stay silent past a call's deadline before its
+/// connection is taken for dead and made anew: a single server's (`pipe.rs`)
+/// once its oldest call is that late, a cluster's (`redis.rs`) once its calls
+/// have timed out for that long. Long enough for a Redis busy with a slow
+/// command or a fork to catch up; short enough that a dead peer costs
+/// seconds of failed decisions, not the kernel's quarter of an hour.
+pub const GIVE_UP: Duration = Duration::from_secs(1);
 
 /// A counter's key. Inline up to 56 bytes, which holds `{TAG}:POLICY:LIMIT`
 /// for policy names of up to about 17 characters: a connection's counters,

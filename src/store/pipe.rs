@@ -43,17 +43,11 @@ use tokio::sync::{Notify, oneshot};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use super::StoreError;
+use super::{GIVE_UP, StoreError};
 
 /// Calls waiting for replies on one connection, at most: a Redis that stopped
 /// answering (but kept the connection) must not make the queue grow forever.
 const MAX_WAITING: usize = 10_000;
-
-/// How long past its deadline a call's reply may be late before the
-/// connection is taken for dead. Long enough for a Redis busy with a slow
-/// command or a fork to catch up; short enough that a dead peer costs
-/// seconds of failed decisions, not the kernel's quarter of an hour.
-pub const GIVE_UP: Duration = Duration::from_secs(1);
 
 /// A reply, as far as the store reads replies (RESP2).
 #[derive(Debug, Clone, PartialEq, Eq)]

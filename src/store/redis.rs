@@ -36,8 +36,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use tokio::time::Instant;
 
-use super::pipe::{Command, GIVE_UP, Pending, Pipe, Reply, Target};
-use super::{Counter, CounterState, Memo, Outcome, PerCounter, StoreError};
+use super::pipe::{Command, Pending, Pipe, Reply, Target};
+use super::{Counter, CounterState, GIVE_UP, Memo, Outcome, PerCounter, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
 static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
