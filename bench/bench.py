@@ -16,6 +16,11 @@ the plain build as sluice), then starts:
   sluice-plain  the same, built by `cargo build --release` alone
   sluice-mem    sluice, memory store, policy 10/1s + 120/1m + 240/1h (1m precision)
   sluice-redis  sluice, Redis store, the same policy
+  sluice-redis-null
+                the same binary and policy, with bench/redis_null.lua in
+                place of lua/acquire.lua (a copy, patched): Redis answers at
+                once, so this is the proxy's own part of a Redis policy,
+                whatever Redis costs on the machine (not a target)
   floor         a TCP relay with no HTTP (bench/floor.rs): tokio, 1 worker,
                 mimalloc, like sluice; what any proxy built so pays before its
                 own work (not a target: a scale for the others)
@@ -238,6 +243,28 @@ def fields_lua(dir_):
     return script
 
 
+def null_build(binary, dir_):
+    """A copy of `binary` with the text of lua/acquire.lua it embeds replaced
+    by bench/redis_null.lua, padded with a comment to the same length. sluice
+    hashes its script's text when it starts, so the copy loads and calls the
+    stand-in; nothing else in it differs. None when the text is not in the
+    binary exactly once (a build from other sources)."""
+    with open(binary, "rb") as f:
+        data = f.read()
+    with open(os.path.join(ROOT, "lua", "acquire.lua"), "rb") as f:
+        acquire = f.read()
+    with open(os.path.join(ROOT, "bench", "redis_null.lua"), "rb") as f:
+        null = f.read()
+    if data.count(acquire) != 1 or len(null) + 2 > len(acquire):
+        return None
+    null += b"--" + b" " * (len(acquire) - len(null) - 2)
+    path = os.path.join(dir_, "sluice-redis-null")
+    with open(path, "wb") as f:
+        f.write(data.replace(acquire, null))
+    os.chmod(path, 0o755)
+    return path
+
+
 def cpu_model():
     """The processor's name as the kernel gives it (machines of one kind
     differ: a slower one moves every absolute figure, not the ratios)."""
@@ -303,7 +330,7 @@ def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None
 def svg_plot(rows, path):
     """A bar chart of req/s and p99 per setup, -c50 (no plotting library needed)."""
     rows = [r for r in rows if r["conns"] == 50]
-    w, h, pad, bar = 860, 360, 60, 22
+    w, h, pad, bar = max(860, 120 + 100 * len(rows)), 360, 60, 22
     max_rps = max(r["rps"] for r in rows) or 1
     max_p99 = max(r["p99"] for r in rows) or 1
     step = (w - 2 * pad) / len(rows)
@@ -340,6 +367,13 @@ def targets(rows, extra, cost):
         check(s["p99_x"] <= 1.0, f"-c{c} no policy: p99 {s['p99_x']:.2f}x nginx's (<= 1)")
         x = red["cpu_vs_none"]
         check(x <= 1.2, f"-c{c} Redis policy: CPU per request {x:.2f}x no policy (<= 1.2)")
+        null = row.get(("sluice-redis-null", c))
+        if null:
+            # Redis shares the cores, and the proxy waits for it: the slower
+            # Redis runs here, the more the ratio above holds of Redis's cost.
+            out.append(f"    (the same binary against a Redis script that only answers: {null['cpu_vs_none']:.2f}x "
+                       f"no policy, Redis {null['redis_us']:.1f} us a request against {red['redis_us']:.1f}: "
+                       f"the proxy's own part)")
         check(abs(red["redis_calls"] - 1) < 0.01, f"-c{c} Redis policy: {red['redis_calls']:.2f} Redis calls per request (1)")
         x = mem["cpu_vs_none"]
         check(x <= 1.05, f"-c{c} memory store: CPU per request {x:.2f}x no policy (<= 1.05)")
@@ -405,9 +439,13 @@ def main():
     tmp = tempfile.mkdtemp(prefix="sluice-bench-")
     procs = Procs()
     try:
+        null_bin = null_build(sluice, tmp)
+        if not null_bin:
+            print("--- sluice-redis-null skipped: lua/acquire.lua's text is not in the binary once", flush=True)
         ports = {k: free_port() for k in ["upstream", "nginx", "nginx-limit", "sluice", "sluice-mem",
                                            "sluice-redis", "redis", "sluice-many", "sluice-reject", "floor",
-                                           "http-floor"] + ([] if args.no_pgo else ["sluice-plain"])}
+                                           "http-floor"] + ([] if args.no_pgo else ["sluice-plain"])
+                 + (["sluice-redis-null"] if null_bin else [])}
         up = ports["upstream"]
         procs.start(["nginx", "-c", upstream_conf(tmp, up)])
         proxy_block = f"upstream api {{ server 127.0.0.1:{up}; keepalive 64; }}"
@@ -454,6 +492,9 @@ upstream = "api"
         if not args.no_pgo:
             pids["sluice-plain"] = procs.start([plain, "--config", sluice_conf("sluice-plain", "", None)],
                                                env=env).pid
+        if null_bin:
+            pids["sluice-redis-null"] = procs.start(
+                [null_bin, "--config", sluice_conf("sluice-redis-null", redis_section, POLICY)], env=env).pid
         pids["floor"] = procs.start([floor, f"127.0.0.1:{ports['floor']}", f"127.0.0.1:{up}"]).pid
         pids["http-floor"] = procs.start([floor, "--http", f"127.0.0.1:{ports['http-floor']}", f"127.0.0.1:{up}"]).pid
         for p in ports.values():
@@ -468,6 +509,8 @@ upstream = "api"
         setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis", "floor", "http-floor"]
         if not args.no_pgo:
             setups.insert(3, "sluice-plain")
+        if null_bin:
+            setups.insert(setups.index("sluice-redis") + 1, "sluice-redis-null")
         results = {(s, c): [] for s in setups for c in conns_list}
         # Warm up every proxy (pools, scripts).
         for s in setups:
@@ -481,11 +524,11 @@ upstream = "api"
             order = setups[shift:] + setups[:shift]
             for c in conns_list:
                 for s in order:
-                    redis_pid = redis.pid if s == "sluice-redis" else None
+                    redis_pid = redis.pid if s.startswith("sluice-redis") else None
                     r = run_wrk(f"http://127.0.0.1:{ports[s]}/", c, args.duration, [pids[s]], redis_pid,
                                 ports["redis"] if redis_pid else None)
                     results[(s, c)].append(r)
-                    print(f"round {rnd + 1} -c{c} {s:13} {r['rps']:9.0f} req/s  p99 {r['p99']:6.2f} ms  "
+                    print(f"round {rnd + 1} -c{c} {s:17} {r['rps']:9.0f} req/s  p99 {r['p99']:6.2f} ms  "
                           f"cpu {r['cpu_us']:5.1f} us/req", flush=True)
 
         # Many identities: a wrk script sends a random X-Forwarded-For (sluice trusts 127.0.0.1).
@@ -530,16 +573,16 @@ upstream = "api"
                              # Against sluice without a policy, for the targets.
                              "cpu_vs_none": paired(rs, results[("sluice", c)], "cpu_us")})
         lines = []
-        head = (f"{'setup':14} {'conns':>5} {'req/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'cpu us/req':>10} "
+        head = (f"{'setup':17} {'conns':>5} {'req/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'cpu us/req':>10} "
                 f"{'redis us/req':>12} {'redis calls':>11} {'req/s x':>8} {'p99 x':>6} {'cpu x':>6}")
         lines.append(head)
         lines.append("-" * len(head))
         for r in rows:
-            lines.append(f"{r['setup']:14} {r['conns']:>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
+            lines.append(f"{r['setup']:17} {r['conns']:>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
                          f"{r['cpu_us']:>10.1f} {r['redis_us']:>12.1f} {r['redis_calls']:>11.2f} "
                          f"{r['rps_x']:>8.2f} {r['p99_x']:>6.2f} {r['cpu_x']:>6.2f}")
         for name, r in extra.items():
-            lines.append(f"{'sluice-redis':14} {'50':>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
+            lines.append(f"{'sluice-redis':17} {'50':>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
                          f"{r['cpu_us']:>10.1f} {r['redis_us']:>12.1f} {r['redis_calls']:>11.2f}   ({name}; non-2xx {r['non2xx']})")
         machine = f"{os.cpu_count()} cores; " + subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
         machine += "; " + subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split(" sha")[0]
@@ -564,7 +607,7 @@ upstream = "api"
         # the same for every proxy; the user part is the proxy's own code.
         for c in conns_list:
             split = ", ".join(f"{s} {row['user_us']:.1f} + {row['sys_us']:.1f}"
-                              for s in ["nginx", "sluice", "sluice-mem", "sluice-redis"]
+                              for s in ["nginx", "sluice", "sluice-mem", "sluice-redis", "sluice-redis-null"]
                               for row in rows if row["setup"] == s and row["conns"] == c)
             ux = paired(results[("sluice", c)], results[("nginx", c)], "user_us")
             lines.append(f"-c{c} CPU us per request, user + system (medians): {split}; "
@@ -596,7 +639,10 @@ upstream = "api"
             lines.append(f"-c{c} quietest round of each, CPU us per request: nginx {low['nginx']:.1f}, "
                          f"sluice {low['sluice']:.1f} ({low['sluice'] / low['nginx']:.2f}x nginx's), "
                          f"sluice-mem {low['sluice-mem']:.1f} ({low['sluice-mem'] / low['sluice']:.2f}x no policy), "
-                         f"sluice-redis {low['sluice-redis']:.1f} ({low['sluice-redis'] / low['sluice']:.2f}x no policy)")
+                         f"sluice-redis {low['sluice-redis']:.1f} ({low['sluice-redis'] / low['sluice']:.2f}x no policy)"
+                         + (f", sluice-redis-null {low['sluice-redis-null']:.1f} "
+                            f"({low['sluice-redis-null'] / low['sluice']:.2f}x no policy)"
+                            if "sluice-redis-null" in low else ""))
         fx = paired(fielded["sluice"], fielded["nginx"], "cpu_us")
         lines.append(f"-c50 requests with eight more fields (as browsers and API clients send): "
                      f"CPU us per request nginx {med(fielded['nginx'], 'cpu_us'):.1f}, "
