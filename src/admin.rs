@@ -83,15 +83,17 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
             serde_json::json!({ "status": status.as_u16(), "detail": detail }),
         )
     };
-    let (mut policy, mut key, mut value) = (None, None, None);
+    let (mut policy, mut key) = (None, None);
     for (k, v) in form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
         match &*k {
             "policy" => policy = Some(v.into_owned()),
             "key" => key = Some(v.into_owned()),
-            "value" => value = Some(v.into_owned()),
             _ => {}
         }
     }
+    // The value as bytes, decoded as the proxy decodes a query's values: an
+    // identity that is not UTF-8 can be looked up too.
+    let value = crate::identity::query_value(req.uri().query().unwrap_or("").as_bytes(), b"value");
     let (Some(policy_name), Some(key)) = (policy, key) else {
         return problem(
             StatusCode::BAD_REQUEST,
@@ -103,17 +105,22 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
         Err(e) => return problem(StatusCode::BAD_REQUEST, e),
     };
     let value = match (&spec, value) {
-        (KeySpec::Global, _) => String::new(),
-        // The canonical form, as the proxy counts it.
-        (KeySpec::Ip, Some(v)) => match v.parse::<std::net::IpAddr>() {
-            Ok(ip) => ip.to_canonical().to_string(),
-            Err(_) => {
+        (KeySpec::Global, _) => Vec::new(),
+        // The canonical form (an IPv4-mapped address as IPv4), or a range
+        // (`2001:db8::/64`); the limiter counts it as the policy does.
+        (KeySpec::Ip, Some(v)) => {
+            let text = String::from_utf8_lossy(&v);
+            if let Ok(ip) = text.parse::<std::net::IpAddr>() {
+                ip.to_canonical().to_string().into_bytes()
+            } else if let Ok(net) = text.parse::<ipnet::IpNet>() {
+                net.trunc().to_string().into_bytes()
+            } else {
                 return problem(
                     StatusCode::BAD_REQUEST,
-                    format!("'{v}' is not an IP address"),
+                    format!("'{text}' is not an IP address or range"),
                 );
             }
-        },
+        }
         (_, Some(v)) if !v.is_empty() => v,
         _ => {
             return problem(
@@ -134,16 +141,17 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
     let limiter = proxy.limiter();
     let result = match *req.method() {
         Method::DELETE => limiter
-            .reset(policy, &spec, value.as_bytes())
+            .reset(policy, &spec, &value)
             .await
             .map(|_| Vec::new()),
-        Method::GET | Method::HEAD => limiter.usage(policy, &spec, value.as_bytes()).await,
+        Method::GET | Method::HEAD => limiter.usage(policy, &spec, &value).await,
         _ => return problem(StatusCode::METHOD_NOT_ALLOWED, "GET or DELETE".into()),
     };
     let usage = match result {
         Ok(usage) => usage,
         Err(e) => return problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
+    let value = String::from_utf8_lossy(&value);
     if req.method() == Method::DELETE {
         return (
             StatusCode::OK,

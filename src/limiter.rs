@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use crate::clock::Clock;
 use crate::config::{Charge, KeySpec, Mode, Policy};
 use crate::deny_cache::DenyCache;
-use crate::identity::{self, Identity};
+use crate::identity::{self, Identity, Values};
 use crate::store::{Counter, Key, Memo, PerCounter, Store, StoreError};
 
 pub struct Limiter {
@@ -52,6 +52,9 @@ pub enum Verdict {
     /// A shadow policy would have rejected: go on (nothing was charged), but
     /// say so in logs and metrics.
     ShadowLimited { binding: Binding },
+    /// The request names more identities than are counted for one request
+    /// (see [`identity::MAX_VALUES`]): answer 400, nothing was asked.
+    TooManyValues,
 }
 
 /// What [`Limiter::settle`] needs to give back or charge a request's units.
@@ -92,7 +95,9 @@ impl Limiter {
         query: Option<&str>,
         keys: &KeyCache,
     ) -> Result<Verdict, StoreError> {
-        let set = keys.counters(policy, client, headers, query);
+        let Ok(set) = keys.counters(policy, client, headers, query) else {
+            return Ok(Verdict::TooManyValues);
+        };
         let (counters, limit_of) = (&set.list, &set.limit_of);
         let charge = policy.charge == Charge::Reserve;
         let now = self.clock.now_ms();
@@ -204,11 +209,25 @@ pub struct Usage {
 }
 
 impl Limiter {
-    /// The counters of `policy` that count the identity `spec = value`.
+    /// The counters of `policy` that count the identity `spec = value`. An
+    /// `ip` value is an address (or a range, `2001:db8::/64`), counted as
+    /// the policy counts its clients: an IPv6 one by its `ipv6_prefix`.
     fn identity_counters(policy: &Policy, spec: &KeySpec, value: &[u8]) -> Vec<(usize, Counter)> {
+        let mut value = value.to_vec();
+        if *spec == KeySpec::Ip {
+            let text = std::str::from_utf8(&value).unwrap_or_default();
+            let ip = text
+                .parse::<IpAddr>()
+                .ok()
+                .or_else(|| text.parse::<ipnet::IpNet>().ok().map(|n| n.network()));
+            if let Some(ip) = ip {
+                value.clear();
+                identity::push_client_text(&mut value, ip, policy.ipv6_prefix);
+            }
+        }
         let id = Identity {
             spec: spec.clone(),
-            value: value.to_vec(),
+            value,
         };
         policy
             .limits
@@ -279,8 +298,9 @@ impl Limiter {
 /// A connection keeps its last ones (see [`KeyCache`]).
 pub struct Counters {
     policy: Arc<Policy>,
-    /// One per distinct key spec of the policy, in order of first use.
-    ids: Vec<Identity>,
+    /// One per key spec of the policy ([`Policy::specs`]): the spec it was
+    /// counted under (after any fallback) and its values.
+    ids: Vec<(KeySpec, Values)>,
     list: PerCounter<Counter>,
     /// For each counter, the index of its limit in the policy.
     limit_of: PerCounter<usize>,
@@ -289,25 +309,35 @@ pub struct Counters {
 }
 
 impl Counters {
-    fn build(policy: &Arc<Policy>, ids: Vec<Identity>) -> Counters {
+    fn build(policy: &Arc<Policy>, ids: Vec<(KeySpec, Values)>) -> Counters {
         let n = policy.limits.len();
         let mut list = PerCounter::<Counter>::with_capacity(n);
         let mut limit_of = PerCounter::with_capacity(n);
         // Limits usually share their keys: hash each identity once.
-        let groups: Vec<Vec<u8>> = ids.iter().map(|id| group_key(&policy.name, id)).collect();
+        let groups: Vec<Vec<Vec<u8>>> = ids
+            .iter()
+            .map(|(spec, values)| {
+                values
+                    .iter()
+                    .map(|v| group_key(&policy.name, spec, v))
+                    .collect()
+            })
+            .collect();
         for (i, limit) in policy.limits.iter().enumerate() {
             for spec in &limit.keys {
                 let Some(g) = policy.specs.iter().position(|s| s == spec) else {
                     continue;
                 };
-                let c = counter_in(&groups[g], limit);
-                // Two specs can fall back to the same identity (both to the
-                // client address): count it once.
-                if list.iter().any(|o| o.key == c.key) {
-                    continue;
+                for group in &groups[g] {
+                    let c = counter_in(group, limit);
+                    // Two specs can fall back to the same identity (both to
+                    // the client address): count it once.
+                    if list.iter().any(|o| o.key == c.key) {
+                        continue;
+                    }
+                    list.push(c);
+                    limit_of.push(i);
                 }
-                list.push(c);
-                limit_of.push(i);
             }
         }
         Counters {
@@ -335,7 +365,7 @@ struct Cached {
     /// as an address, without writing its text.
     client: Option<IpAddr>,
     /// Where a request's identity values are written to be compared.
-    scratch: Vec<u8>,
+    scratch: Values,
 }
 
 impl KeyCache {
@@ -345,7 +375,7 @@ impl KeyCache {
         client: IpAddr,
         headers: Fields<'_>,
         query: Option<&str>,
-    ) -> Arc<Counters> {
+    ) -> Result<Arc<Counters>, identity::TooManyValues> {
         // A poisoned lock only means a panic elsewhere: the cache is still
         // whole (it is replaced, never edited in place).
         let mut cached = self.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -360,42 +390,61 @@ impl KeyCache {
                 .specs
                 .iter()
                 .zip(&c.ids)
-                .all(|(spec, id)| match spec {
+                .all(|(spec, (counted_as, values))| match spec {
                     KeySpec::Ip => *last_client == Some(client),
                     KeySpec::Global => true,
                     KeySpec::Header(_) | KeySpec::Query(_) => {
-                        let counted_as =
-                            identity::identify_into(spec, client, headers, query, scratch);
-                        *counted_as == id.spec && *scratch == id.value
+                        let now = identity::identify_into(
+                            spec,
+                            client,
+                            policy.ipv6_prefix,
+                            headers,
+                            query,
+                            scratch,
+                        );
+                        now.is_ok_and(|now| now == counted_as) && scratch == values
                     }
                 })
         {
-            return c.clone();
+            return Ok(c.clone());
         }
-        let ids = identities(policy, client, headers, query);
+        let ids = identities(policy, client, headers, query)?;
         let built = Arc::new(Counters::build(policy, ids));
         *last = Some(built.clone());
         *last_client = Some(client);
-        built
+        Ok(built)
     }
 }
 
-/// The identities of one request under `policy`, one per [`Policy::specs`].
+/// The identities of one request under `policy`: for each of
+/// [`Policy::specs`], the spec counted and its values.
 fn identities(
     policy: &Policy,
     client: IpAddr,
     headers: Fields<'_>,
     query: Option<&str>,
-) -> Vec<Identity> {
+) -> Result<Vec<(KeySpec, Values)>, identity::TooManyValues> {
     policy
         .specs
         .iter()
-        .map(|spec| identity::identify(spec, client, headers, query))
+        .map(|spec| {
+            let mut values = Values::default();
+            let counted_as = identity::identify_into(
+                spec,
+                client,
+                policy.ipv6_prefix,
+                headers,
+                query,
+                &mut values,
+            )?;
+            Ok((counted_as.clone(), values))
+        })
         .collect()
 }
+
 /// The counter of one limit for one identity.
 fn counter(policy: &str, limit: &crate::config::Limit, id: &Identity) -> Counter {
-    counter_in(&group_key(policy, id), limit)
+    counter_in(&group_key(policy, &id.spec, &id.value), limit)
 }
 
 /// The counter of one limit in an identity's group (see [`group_key`]).
@@ -421,10 +470,10 @@ fn counter_in(group: &[u8], limit: &crate::config::Limit) -> Counter {
 /// The value itself never appears in a key: whatever bytes a client sends, and
 /// however many, its keys have the same shape and size, and the `{...}` hash
 /// tag puts all counters of one identity in one Redis Cluster slot.
-fn group_key(policy: &str, id: &Identity) -> Vec<u8> {
+fn group_key(policy: &str, spec: &KeySpec, value: &[u8]) -> Vec<u8> {
     let mut hasher = Sha256::new();
     // The spec as its Display writes it, without formatting a String.
-    match &id.spec {
+    match spec {
         KeySpec::Ip => hasher.update(b"ip"),
         KeySpec::Global => hasher.update(b"global"),
         KeySpec::Header(name) => {
@@ -437,7 +486,7 @@ fn group_key(policy: &str, id: &Identity) -> Vec<u8> {
         }
     }
     hasher.update([0]);
-    hasher.update(&id.value);
+    hasher.update(value);
     let digest = hasher.finalize();
     let mut key = Vec::with_capacity(26 + policy.len());
     key.push(b'{');
@@ -481,7 +530,7 @@ mod tests {
             value: b"203.0.113.9".to_vec(),
         };
         assert_eq!(
-            group_key("standard", &id),
+            group_key("standard", &id.spec, &id.value),
             b"{scNGtWJnPGS1PNrahGtNKQ}:standard".to_vec()
         );
         let header = Identity {
@@ -493,6 +542,6 @@ mod tests {
         let mut want = b"{".to_vec();
         base64url(&hasher.finalize()[..16], &mut want);
         want.extend_from_slice(b"}:p");
-        assert_eq!(group_key("p", &header), want);
+        assert_eq!(group_key("p", &header.spec, &header.value), want);
     }
 }

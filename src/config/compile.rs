@@ -211,7 +211,11 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
             .ok()
             .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
         match net {
-            Some(net) => s.trusted_proxies.push(net.trunc()),
+            // An IPv4-mapped range (`::ffff:10.0.0.0/104`) is matched as the
+            // IPv4 range it names: clients are compared in their IPv4 form.
+            Some(net) => s
+                .trusted_proxies
+                .push(crate::identity::canonical_net(net.trunc())),
             None => d.err(
                 &v.span(),
                 format!("server.trusted_proxies[{i}]: '{text}' is not an address or CIDR range like \"10.0.0.0/8\""),
@@ -497,6 +501,19 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         Some(v) => key_specs(d, &format!("{key}: key"), v).unwrap_or_default(),
         None => vec![KeySpec::Ip],
     };
+    let ipv6_prefix = match &r.ipv6_prefix {
+        None => 64,
+        Some(v) => match u8::try_from(*v.get_ref()) {
+            Ok(n @ 1..=128) => n,
+            _ => {
+                d.err(
+                    &v.span(),
+                    format!("{key}: ipv6_prefix: must be between 1 and 128 (64 counts each /64 as one client)"),
+                );
+                64
+            }
+        },
+    };
     let charge = match &r.charge {
         None => Charge::Reserve,
         Some(v) => match v.get_ref().as_str() {
@@ -596,6 +613,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))
             .collect(),
         name: name.into(),
+        ipv6_prefix,
         charge,
         refund,
         mode,

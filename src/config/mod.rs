@@ -240,6 +240,8 @@ pub enum Mode {
 #[derive(Debug)]
 pub struct Policy {
     pub name: Arc<str>,
+    /// IPv6 clients are counted by their network of this many bits.
+    pub ipv6_prefix: u8,
     pub charge: Charge,
     pub refund: Vec<StatusCode>,
     pub mode: Mode,
@@ -367,6 +369,10 @@ impl fmt::Display for Config {
         let s = &self.server;
         let tls = if s.tls.is_some() { " (TLS)" } else { "" };
         writeln!(f, "server: listen {}{tls}, workers {}", s.listen, s.workers)?;
+        if !s.trusted_proxies.is_empty() {
+            let nets: Vec<String> = s.trusted_proxies.iter().map(|n| n.to_string()).collect();
+            writeln!(f, "trusted proxies: {}", nets.join(", "))?;
+        }
         if let Some(admin) = s.admin_listen {
             writeln!(f, "admin: {admin}")?;
         }
@@ -396,9 +402,10 @@ impl fmt::Display for Config {
             let refund: Vec<&str> = p.refund.iter().map(|s| s.as_str()).collect();
             writeln!(
                 f,
-                "  {}: charge {charge} (refund {}), mode {mode}",
+                "  {}: charge {charge} (refund {}), mode {mode}, IPv6 clients by /{}",
                 p.name,
-                refund.join(",")
+                refund.join(","),
+                p.ipv6_prefix
             )?;
             for l in &p.limits {
                 let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();

@@ -81,6 +81,7 @@ pub struct RawUpstream {
 pub struct RawPolicy {
     /// `key = "ip"` or `key = ["ip", "header:X-User"]`: checked in `compile.rs`.
     pub key: Option<Spanned<toml::Value>>,
+    pub ipv6_prefix: Option<Spanned<i64>>,
     pub charge: Option<Spanned<String>>,
     pub refund: Option<Vec<Spanned<i64>>>,
     pub mode: Option<Spanned<String>>,

@@ -467,6 +467,12 @@ impl Proxy {
                     ctx.limits = Limits::new(config.headers, policy, b);
                     return Ok(resp);
                 }
+                Ok(Verdict::TooManyValues) => {
+                    ctx.decision = "too-many-identities";
+                    return Err(ProxyError::BadRequest(
+                        "too many distinct values for a rate-limit key (at most 16)",
+                    ));
+                }
                 Err(e) => {
                     ctx.decision = "store-error";
                     state.count_decision(policy, 3);
