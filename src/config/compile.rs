@@ -423,8 +423,19 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
         d.err(&v.span(), format!("{key}: ca: {e}"));
         return None;
     }
+    let buffer = match &r.buffer {
+        None => 1 << 20,
+        Some(v) => match size::parse(v.get_ref()) {
+            Ok(n) => n as usize,
+            Err(e) => {
+                d.err(&v.span(), format!("{key}: buffer: {e}"));
+                return None;
+            }
+        },
+    };
     Some(Upstream {
         name: Arc::from(name),
+        buffer,
         down_until: servers.iter().map(|_| Default::default()).collect(),
         servers,
         ca: ca.map(|(_, path)| path),

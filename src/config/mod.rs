@@ -10,6 +10,7 @@
 mod compile;
 pub mod duration;
 mod raw;
+pub mod size;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -117,6 +118,8 @@ pub struct Upstream {
     pub ca: Option<PathBuf>,
     /// Send the client's `Host` upstream instead of the server's own authority.
     pub pass_host: bool,
+    /// How far an answer is read ahead of a slow client, in bytes (0: not).
+    pub buffer: usize,
     /// Round-robin position: runtime state, but one counter per upstream is all
     /// balancing needs, and it lives and dies with this config.
     pub next: std::sync::atomic::AtomicUsize,

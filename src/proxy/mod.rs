@@ -23,6 +23,7 @@ mod h1;
 pub(crate) mod plain_head;
 mod pool;
 mod ratelimit_headers;
+mod read_ahead;
 
 use std::future::{Future, poll_fn};
 use std::net::SocketAddr;
@@ -643,7 +644,7 @@ impl Proxy {
             return Ok(resp.map(Either::Left));
         }
         forward::strip_hop_by_hop(resp.headers_mut());
-        Ok(resp.map(Either::Left))
+        Ok(resp.map(|body| Either::Left(body.read_ahead(upstream.buffer))))
     }
 }
 

@@ -44,7 +44,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use super::h1;
+use super::{h1, read_ahead};
 use crate::coalesce::Coalesce;
 use crate::config::UpstreamServer;
 use crate::tls::TlsError;
@@ -399,6 +399,11 @@ enum Read {
         /// The connection, while the body is being read from it.
         back: Option<Back<h1::Conn>>,
     },
+    /// Read by a task of its own, ahead of the client (see [`read_ahead`]).
+    Ahead {
+        body: read_ahead::Ahead,
+        fields: Option<Box<h1::Fields>>,
+    },
 }
 
 impl PooledBody {
@@ -407,8 +412,20 @@ impl PooledBody {
     pub fn take_fields(&mut self) -> Option<Box<h1::Fields>> {
         match &mut *self.0 {
             Read::Own { reader, .. } => reader.take_fields(),
+            Read::Ahead { fields, .. } => fields.take(),
             Read::Hyper { .. } => None,
         }
+    }
+
+    /// This body, read ahead of its client up to `buffer` bytes when it is
+    /// large or of unknown size (see [`read_ahead`]).
+    pub fn read_ahead(mut self, buffer: usize) -> PooledBody {
+        if !read_ahead::worth_it(&self, buffer) {
+            return self;
+        }
+        let fields = self.take_fields();
+        let body = read_ahead::spawn(self, buffer);
+        PooledBody(Box::new(Read::Ahead { body, fields }))
     }
 
     fn hyper(inner: Incoming, back: Option<Back<SendRequest<RequestBody>>>) -> PooledBody {
@@ -451,6 +468,8 @@ impl PooledBody {
                     pools.own.give_back(origin, conn);
                 }
             }
+            // Its pump's body gives its connection back.
+            Read::Ahead { .. } => {}
         }
     }
 }
@@ -478,6 +497,7 @@ impl Body for PooledBody {
                 let end = ends(&frame, reader.is_end(), back);
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
+            Read::Ahead { body, .. } => return Pin::new(body).poll_frame(cx),
         };
         if end {
             this.give_back();
@@ -489,6 +509,7 @@ impl Body for PooledBody {
         match &*self.0 {
             Read::Hyper { inner, .. } => inner.is_end_stream(),
             Read::Own { reader, back } => back.is_none() || reader.is_end(),
+            Read::Ahead { body, .. } => body.is_end_stream(),
         }
     }
 
@@ -496,6 +517,7 @@ impl Body for PooledBody {
         match &*self.0 {
             Read::Hyper { inner, .. } => inner.size_hint(),
             Read::Own { reader, .. } => reader.size_hint(),
+            Read::Ahead { body, .. } => body.size_hint(),
         }
     }
 }
