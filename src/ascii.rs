@@ -8,12 +8,14 @@
 
 /// Whether `input` is `lower` in any case.
 ///
-/// `lower` is lowercase letters, digits and `-` (a field name or token we
-/// look for). `input` comes from a parsed head: no control bytes but tab
-/// (httparse, `HeaderName` and `HeaderValue` all refuse the others). Then
-/// setting bit 0x20 of each input byte is exact: only `X` and `x` become
-/// `x`, and only `-` becomes `-` (CR would too, and no input holds one;
-/// tab becomes `)`, which `lower` never holds).
+/// `lower` is a lowercase field name or token we look for (`HeaderName`
+/// holds its names so). `input` comes from a parsed head: no control bytes
+/// but tab (httparse, `HeaderName` and `HeaderValue` all refuse the others).
+/// Then setting bit 0x20 of each input byte where `lower`'s byte has it is
+/// exact: only `X` and `x` become `x`, and only `-` becomes `-` (CR would
+/// too, and no input holds one; tab becomes `)`, which `lower` never
+/// holds). Where `lower`'s byte lacks the bit (`_`, `^`), bytes are compared
+/// as they are: folded, `_` could never be matched.
 pub fn eq_lower(input: &[u8], lower: &[u8]) -> bool {
     const FOLD: u64 = 0x2020_2020_2020_2020;
     let n = input.len();
@@ -21,7 +23,7 @@ pub fn eq_lower(input: &[u8], lower: &[u8]) -> bool {
         return false;
     }
     if n < 8 {
-        return input.iter().zip(lower).all(|(&a, &b)| a | 0x20 == b);
+        return input.iter().zip(lower).all(|(&a, &b)| a | (b & 0x20) == b);
     }
     // Words at 0, 8, ..., and the last one ending at `n` (overlapping the
     // one before when `n` is not a multiple of 8).
@@ -32,13 +34,17 @@ pub fn eq_lower(input: &[u8], lower: &[u8]) -> bool {
     };
     let last = n - 8;
     let mut at = 0;
+    let same = |at: usize| {
+        let want = word(lower, at);
+        word(input, at) | (want & FOLD) == want
+    };
     while at < last {
-        if word(input, at) | FOLD != word(lower, at) {
+        if !same(at) {
             return false;
         }
         at += 8;
     }
-    word(input, last) | FOLD == word(lower, last)
+    same(last)
 }
 
 #[cfg(test)]
@@ -75,6 +81,20 @@ mod tests {
         }
         assert!(eq_lower(b"Content-Length", b"content-length"));
         assert!(!eq_lower(b"Content_Length", b"content-length"));
+        // Names with `_` (and `^`), short and long, in any case.
+        for (input, lower) in [
+            (&b"X_Key"[..], &b"x_key"[..]),
+            (b"X_API_KEY_OF_USER", b"x_api_key_of_user"),
+            (b"a^b", b"a^b"),
+        ] {
+            assert!(eq_lower(input, lower), "{input:?}");
+            let mut other = input.to_vec();
+            let at = other.iter().position(|&b| b == b'_' || b == b'^').unwrap();
+            other[at] = 0x7f;
+            assert!(!eq_lower(&other, lower), "{other:?}");
+            other[at] = b'-';
+            assert!(!eq_lower(&other, lower), "{other:?}");
+        }
         assert!(eq_lower(b"", b""));
     }
 }

@@ -157,6 +157,13 @@ impl HeadFields {
         self.spans.clear();
     }
 
+    /// Forgets the fields whose names `drop` picks (names as read, in any
+    /// case): they are not read or forwarded after this.
+    pub fn remove_names(&mut self, drop: impl Fn(&[u8]) -> bool) {
+        let head = &self.head;
+        self.spans.retain(|s| !drop(&head[s.name()]));
+    }
+
     /// The head's bytes.
     pub fn head(&self) -> &Bytes {
         &self.head

@@ -161,7 +161,7 @@ pub async fn serve(
         {
             let mut handling = pin!(client.proxy.handle(
                 req,
-                Some(&fields),
+                Some(&mut fields),
                 client.peer,
                 client.keys,
                 Some(timer.as_mut()),

@@ -4,7 +4,8 @@
 //! `decisions_total{policy,outcome}` (outcome: allowed, limited,
 //! shadow_limited, store_error), `refunds_total{policy}`, `store_errors_total`,
 //! `store_call_seconds` and `upstream_seconds{upstream}` (histograms),
-//! `config_reloads_total{result}`.
+//! `config_reloads_total{result}`, `underscore_headers_total{action}`
+//! (request fields with `_` in their names, dropped or rejected).
 
 use std::fmt::Write;
 use std::sync::{Arc, OnceLock};
@@ -49,6 +50,11 @@ pub struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActionLabel {
+    pub action: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabel {
     pub upstream: Name,
 }
@@ -64,6 +70,7 @@ pub struct Metrics {
     pub store_seconds: Histogram,
     pub upstream_seconds: HistogramFamily<UpstreamLabel>,
     pub reloads: Family<ResultLabel, Counter>,
+    pub underscores: Family<ActionLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -109,8 +116,15 @@ impl Default for Metrics {
             "Time to the upstream's response headers",
             upstream_seconds.clone(),
         );
+        let underscores = Family::default();
+        registry.register(
+            "underscore_headers",
+            "Request header fields with '_' in their names, by action (dropped, rejected)",
+            underscores.clone(),
+        );
         Metrics {
             registry,
+            underscores,
             requests,
             decisions,
             refunds,
@@ -176,6 +190,13 @@ impl Metrics {
                 })
                 .clone()
         })
+    }
+
+    /// Counts `n` request fields with `_` in their names, `action` taken.
+    pub fn underscore_headers(&self, action: &'static str, n: usize) {
+        self.underscores
+            .get_or_create(&ActionLabel { action })
+            .inc_by(n as u64);
     }
 
     pub fn reload(&self, result: &'static str) {

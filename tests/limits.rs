@@ -113,8 +113,8 @@ async fn other_spellings_of_a_limited_path_meet_its_policy() {
     .await;
     let first = get(&s.url("/api/%73earch"), &[]).await;
     assert_eq!(first.status, StatusCode::OK);
-    // Matched in its normal form, forwarded as sent.
-    assert_eq!(first.json()["uri"], "/api/%73earch");
+    // Matched in its normal form, and forwarded in it.
+    assert_eq!(first.json()["uri"], "/api/search");
     for p in [
         "/api/search",
         "//api/search",
@@ -127,7 +127,7 @@ async fn other_spellings_of_a_limited_path_meet_its_policy() {
         assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{p}");
     }
     // Paths outside the route still reach the unlimited one.
-    for p in ["/api/searc", "/api/search/..", "/api/%2Fsearch"] {
+    for p in ["/api/searc", "/api/search/.."] {
         assert_eq!(get(&s.url(p), &[]).await.status, StatusCode::OK, "{p}");
     }
 }

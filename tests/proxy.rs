@@ -434,7 +434,9 @@ async fn open_echo_tunnel(addr: std::net::SocketAddr) -> (tokio::net::TcpStream,
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     conn.write_all(
-        b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
+        // `websocket`: the upgrade a route passes by default; the test
+        // upstream answers any upgrade with its own.
+        b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\n",
     )
     .await
     .unwrap();

@@ -99,7 +99,7 @@ pub fn compile(text: &str, name: &str, base: &Path) -> Result<Config, ConfigErro
             declared_upstreams: &declared_upstreams,
             declared_policies: &declared_policies,
         };
-        if let Some(r) = route(&mut d, i, raw, &names) {
+        if let Some(r) = route(&mut d, i, raw, &names, server.escaped_slashes) {
             routes.push(r);
         }
     }
@@ -187,6 +187,8 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         shutdown_timeout: Duration::from_secs(10),
         header_timeout: Duration::from_secs(30),
         tls: None,
+        escaped_slashes: EscapedSlashes::Reject,
+        underscore_headers: UnderscoreHeaders::Drop,
     };
     if let Some(v) = &raw.listen {
         s.listen = socket_addr(d, "server.listen", v).unwrap_or(s.listen);
@@ -242,6 +244,28 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
             ),
             Some(n) => s.max_header_bytes = n as usize,
             None => {}
+        }
+    }
+    if let Some(v) = &raw.escaped_slashes {
+        match v.get_ref().as_str() {
+            "reject" => s.escaped_slashes = EscapedSlashes::Reject,
+            "decode" => s.escaped_slashes = EscapedSlashes::Decode,
+            "keep" => s.escaped_slashes = EscapedSlashes::Keep,
+            other => d.err(
+                &v.span(),
+                format!("server.escaped_slashes: unknown value '{other}' (use \"reject\", \"decode\" or \"keep\")"),
+            ),
+        }
+    }
+    if let Some(v) = &raw.underscore_headers {
+        match v.get_ref().as_str() {
+            "drop" => s.underscore_headers = UnderscoreHeaders::Drop,
+            "reject" => s.underscore_headers = UnderscoreHeaders::Reject,
+            "pass" => s.underscore_headers = UnderscoreHeaders::Pass,
+            other => d.err(
+                &v.span(),
+                format!("server.underscore_headers: unknown value '{other}' (use \"drop\", \"reject\" or \"pass\")"),
+            ),
         }
     }
     if let Some(tls) = &raw.tls {
@@ -731,7 +755,13 @@ fn limit(
     })
 }
 
-fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Option<Route> {
+fn route(
+    d: &mut Diag,
+    i: usize,
+    raw: &Spanned<RawRoute>,
+    names: &Names,
+    slashes: EscapedSlashes,
+) -> Option<Route> {
     let r = raw.get_ref();
     let key = format!("routes[{i}]");
     let errors_before = d.errors.len();
@@ -749,7 +779,16 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
                 ),
             );
         }
-        _ => {}
+        // Requests are matched in their normal form: a path that has none
+        // could never match.
+        PathMatch::Exact(p) | PathMatch::Prefix(p) => {
+            if let Err(e) = crate::router::normalize(p, slashes) {
+                d.err(
+                    &r.path.span(),
+                    format!("{key}: path '{path_text}' has {e}: requests with one are refused, so it could never match"),
+                );
+            }
+        }
     }
     let methods = r.methods.as_ref().map(|list| {
         let mut methods = Vec::new();
@@ -766,7 +805,9 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
         methods
     });
     let host = r.host.as_ref().map(|h| {
-        let host = h.get_ref().trim().to_ascii_lowercase();
+        let lower = h.get_ref().trim().to_ascii_lowercase();
+        // `api.example.com.` is the same name, as requests' hosts are read.
+        let host = lower.strip_suffix('.').unwrap_or(&lower).to_string();
         if host.is_empty() || host.contains('/') {
             d.err(
                 &h.span(),
@@ -784,6 +825,30 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
         }
         host
     });
+    let mut upgrades = vec!["websocket".to_string()];
+    if let Some(list) = &r.upgrades {
+        upgrades.clear();
+        for u in list {
+            let token = u.get_ref().trim().to_ascii_lowercase();
+            if token == "h2c" {
+                // Inside an h2c tunnel, requests would never meet a route or a policy.
+                d.err(
+                    &u.span(),
+                    format!("{key}: upgrades: \"h2c\" is never passed through (its requests would bypass every route and policy)"),
+                );
+            } else if token.is_empty() || http::HeaderName::from_bytes(token.as_bytes()).is_err() {
+                d.err(
+                    &u.span(),
+                    format!(
+                        "{key}: upgrades: '{}' is not a protocol name like \"websocket\"",
+                        u.get_ref()
+                    ),
+                );
+            } else {
+                upgrades.push(token);
+            }
+        }
+    }
     let target = match (&r.upstream, &r.respond) {
         (Some(u), None) => match names.upstreams.get(u.get_ref()) {
             Some(up) => Some(Target::Upstream(up.clone())),
@@ -868,6 +933,7 @@ fn route(d: &mut Diag, i: usize, raw: &Spanned<RawRoute>, names: &Names) -> Opti
         path,
         methods,
         host,
+        upgrades,
         target: target?,
         policy,
         cost,

@@ -60,6 +60,35 @@ pub struct ServerConfig {
     /// request head has arrived for this long.
     pub header_timeout: Duration,
     pub tls: Option<TlsFiles>,
+    /// What an encoded slash or backslash in a path gets (see `router::normalize`).
+    pub escaped_slashes: EscapedSlashes,
+    /// What a request header whose name holds `_` gets.
+    pub underscore_headers: UnderscoreHeaders,
+}
+
+/// `server.escaped_slashes`: `%2F`, `%5C` and `\` in a request path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EscapedSlashes {
+    /// 400 (the default).
+    #[default]
+    Reject,
+    /// Segment separators, before dot segments are resolved.
+    Decode,
+    /// Characters of their segment.
+    Keep,
+}
+
+/// `server.underscore_headers`: request header names with `_`, which
+/// CGI-style backends (WSGI, Rack) read as the same as with `-`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnderscoreHeaders {
+    /// Removed before anything reads them (the default, as nginx does).
+    #[default]
+    Drop,
+    /// 400.
+    Reject,
+    /// Kept and forwarded.
+    Pass,
 }
 
 #[derive(Debug, Clone)]
@@ -345,6 +374,8 @@ pub struct Route {
     pub methods: Option<Vec<Method>>,
     /// Lowercase, without a port.
     pub host: Option<String>,
+    /// `Upgrade` protocol names passed through, lowercase (never `h2c`).
+    pub upgrades: Vec<String>,
     pub target: Target,
     pub policy: Option<Arc<Policy>>,
     pub cost: u64,
@@ -423,7 +454,7 @@ impl fmt::Display for Config {
             }
         }
         writeln!(f, "routes (in match order):")?;
-        for r in crate::router::Router::ordered(&self.routes) {
+        for r in crate::router::Router::ordered(&self.routes, self.server.escaped_slashes) {
             let path = match &r.path {
                 PathMatch::Exact(p) => format!("={p}"),
                 PathMatch::Prefix(p) => p.clone(),

@@ -37,6 +37,8 @@ pub struct RawServer {
     pub shutdown_timeout: Option<Spanned<String>>,
     pub header_timeout: Option<Spanned<String>>,
     pub tls: Option<Spanned<RawTls>>,
+    pub escaped_slashes: Option<Spanned<String>>,
+    pub underscore_headers: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -108,6 +110,7 @@ pub struct RawRoute {
     pub path: Spanned<String>,
     pub methods: Option<Vec<Spanned<String>>>,
     pub host: Option<Spanned<String>>,
+    pub upgrades: Option<Vec<Spanned<String>>>,
     pub upstream: Option<Spanned<String>>,
     pub respond: Option<Spanned<RawRespond>>,
     pub policy: Option<Spanned<String>>,

@@ -13,6 +13,10 @@ pub enum ProxyError {
     NoRoute,
     #[error("malformed request: {0}")]
     BadRequest(&'static str),
+    /// A well-formed request spelled in a way sluice does not route: the
+    /// connection's framing is intact.
+    #[error("refused: {0}")]
+    Refused(#[from] crate::router::Refused),
     #[error("request headers are larger than {0} bytes")]
     HeadersTooLarge(usize),
     #[error("rate limit exceeded; retry in {retry_after} s")]
@@ -33,7 +37,7 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
-            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BadRequest(_) | ProxyError::Refused(_) => StatusCode::BAD_REQUEST,
             ProxyError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::Limited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,

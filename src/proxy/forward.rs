@@ -155,17 +155,37 @@ pub fn mark_down(upstream: &Upstream, i: usize) {
     upstream.down_until[i].store(now_ms + DOWN_FOR_MS, Ordering::Relaxed);
 }
 
-/// The protocol a request asks to switch to (`Connection: upgrade` with an
-/// `Upgrade` header, e.g. WebSocket), if any.
-pub fn upgrade_protocol(fields: Fields<'_>) -> Option<HeaderValue> {
+/// The protocols a request asks to switch to (`Connection: upgrade` with an
+/// `Upgrade` header, e.g. WebSocket) that `allowed` (a route's `upgrades`,
+/// lowercase names) lets through, if any: the `Upgrade` value to forward.
+/// A token is compared by its name (`websocket` in `websocket/13`); `h2c`
+/// never passes, whatever the list says: requests inside its tunnel would
+/// meet no route and no policy.
+pub fn upgrade_protocol(fields: Fields<'_>, allowed: &[String]) -> Option<HeaderValue> {
     let asks = fields
         .values(&header::CONNECTION)
         .filter_map(crate::fields::text)
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    asks.then(|| fields.values(&header::UPGRADE).next())
-        .flatten()
-        .and_then(|v| HeaderValue::from_bytes(v).ok())
+    if !asks {
+        return None;
+    }
+    let offered: Vec<&str> = fields
+        .values(&header::UPGRADE)
+        .filter_map(crate::fields::text)
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .collect();
+    let passes = |token: &&str| {
+        let name = token.split('/').next().unwrap_or_default().trim();
+        !name.eq_ignore_ascii_case("h2c") && allowed.iter().any(|a| name.eq_ignore_ascii_case(a))
+    };
+    let kept: Vec<&str> = offered.iter().copied().filter(passes).collect();
+    if kept.is_empty() {
+        return None;
+    }
+    HeaderValue::from_str(&kept.join(", ")).ok()
 }
 
 /// The upstream's request target when it is not the client's as it came:

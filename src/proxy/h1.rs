@@ -258,6 +258,15 @@ fn parse_head(
     }
     // Its slices of `buf` are spans now; `buf` is split next.
     drop(read);
+    if said.chunked.is_some() && !matches!(said.length, Ok(None)) {
+        // Both framings (RFC 9112 6.3): the Transfer-Encoding rules and the
+        // length is removed before forwarding; the client would otherwise
+        // be given it, and a body cut to it.
+        fields
+            .spans
+            .retain(|&mut [n, m, ..]| !eq_lower(&buf[n as usize..m as usize], b"content-length"));
+        adjacent = false;
+    }
     let spans = &fields.spans;
     fields.block = match (adjacent, said.length, spans.first(), spans.last()) {
         (true, Ok(length), Some(&[from, ..]), Some(&[.., to])) => Some(Block {
@@ -451,14 +460,18 @@ fn framing(head_only: bool, status: StatusCode, said: &Said) -> Result<(Framing,
     if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Length(0), said.keep));
     }
-    let length = said.length.map_err(H1Error::Framing)?;
-    Ok(match (said.chunked, length) {
-        // Both framings at once is how requests get smuggled: the length is
-        // ignored and the connection not trusted again.
-        (Some(true), length) => (Framing::Chunked(Chunk::Size), said.keep && length.is_none()),
+    // With a Transfer-Encoding, the Content-Length is not looked at (as
+    // hyper's client does). Both framings at once is how requests get
+    // smuggled: the connection is not trusted again.
+    let both = !matches!(said.length, Ok(None));
+    Ok(match said.chunked {
+        Some(true) => (Framing::Chunked(Chunk::Size), said.keep && !both),
         // A coding that is not chunked last: the body ends with the connection.
-        (Some(false), _) | (None, None) => (Framing::Close, false),
-        (None, Some(n)) => (Framing::Length(n), said.keep),
+        Some(false) => (Framing::Close, false),
+        None => match said.length.map_err(H1Error::Framing)? {
+            None => (Framing::Close, false),
+            Some(n) => (Framing::Length(n), said.keep),
+        },
     })
 }
 
@@ -752,8 +765,17 @@ mod tests {
         let (f, keep) = framing(false, StatusCode::OK, &both).unwrap();
         assert!(matches!(f, Framing::Chunked(Chunk::Size)) && !keep);
         // A coding that is not chunked last: the body ends with the connection.
-        let (f, keep) = framing(false, StatusCode::OK, &said(&[(te, "chunked, gzip")])).unwrap();
+        let (f, keep) = framing(
+            false,
+            StatusCode::OK,
+            &said(&[(te.clone(), "chunked, gzip")]),
+        )
+        .unwrap();
         assert!(matches!(f, Framing::Close) && !keep);
+        // With a Transfer-Encoding, a Content-Length is not read at all.
+        let bad_length = said(&[(te.clone(), "chunked"), (header::CONTENT_LENGTH, "x")]);
+        let (f, keep) = framing(false, StatusCode::OK, &bad_length).unwrap();
+        assert!(matches!(f, Framing::Chunked(Chunk::Size)) && !keep);
         // A bodiless answer's framing headers are not looked at.
         let bad = said(&[(header::CONTENT_LENGTH, "x")]);
         assert!(framing(false, StatusCode::NOT_MODIFIED, &bad).is_ok());

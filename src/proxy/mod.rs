@@ -49,12 +49,12 @@ pub use pool::RequestBody;
 pub use error::ProxyError;
 pub use ratelimit_headers::Limits;
 
-use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target};
+use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target, UnderscoreHeaders};
 use crate::fields::{Fields, HeadFields};
 use crate::identity;
 use crate::limiter::{Binding, KeyCache, Limiter, Ticket, Verdict};
 use crate::metrics::{DecisionCounters, Metrics, Name, RouteCounters, UpstreamLabel};
-use crate::router::Router;
+use crate::router::{self, Router};
 use crate::store::{Store, StoreError};
 use crate::tls::TlsError;
 use prometheus_client::metrics::histogram::Histogram;
@@ -135,7 +135,7 @@ impl State {
             None => None,
         };
         Ok(State {
-            router: Router::new(&config.routes),
+            router: Router::new(&config.routes, config.server.escaped_slashes),
             config,
             clients,
             decisions,
@@ -330,16 +330,21 @@ impl Proxy {
     /// `timer`: the connection's own timer for `server.upstream_timeout`,
     /// when it serves one request at a time (see [`within`]); without one,
     /// the request makes its own.
+    ///
+    /// `head` is lent mutably for `server.underscore_headers` only: fields
+    /// it drops are gone before any phase reads the request.
     pub async fn handle(
         &self,
         req: &mut Request<RequestBody>,
-        head: Option<&HeadFields>,
+        mut head: Option<&mut HeadFields>,
         peer: SocketAddr,
         keys: &KeyCache,
         timer: Option<Pin<&mut tokio::time::Sleep>>,
         answer: &mut Option<Answer>,
     ) {
         let state = self.state.load_full();
+        let underscores = self.underscores(&state, req, head.as_deref_mut());
+        let head = head.map(|h| &*h);
         let mut ctx = RequestCtx {
             timer,
             head,
@@ -357,9 +362,12 @@ impl Proxy {
                 req.uri().path().to_string(),
             )
         });
-        let resp = match self.phases(&state, req, peer, keys, &mut ctx).await {
-            Ok(resp) => resp,
+        let resp = match underscores {
             Err(e) => e.response(),
+            Ok(()) => match self.phases(&state, req, peer, keys, &mut ctx).await {
+                Ok(resp) => resp,
+                Err(e) => e.response(),
+            },
         };
         ctx.route
             .as_ref()
@@ -386,6 +394,56 @@ impl Proxy {
         );
     }
 
+    /// `server.underscore_headers`: request fields whose names hold `_`
+    /// (`X_Api_Key`), which WSGI and Rack read as the `-` name (both are
+    /// `HTTP_X_API_KEY` to them), so a client could pick the value a
+    /// backend reads while sluice counts another. Dropped (and counted),
+    /// refused, or kept.
+    fn underscores(
+        &self,
+        state: &State,
+        req: &mut Request<RequestBody>,
+        head: Option<&mut HeadFields>,
+    ) -> Result<(), ProxyError> {
+        let mode = state.config.server.underscore_headers;
+        if mode == UnderscoreHeaders::Pass {
+            return Ok(());
+        }
+        let aliased = |name: &[u8]| name.contains(&b'_');
+        let found = match &head {
+            Some(head) => Fields::Head(head),
+            None => Fields::Map(req.headers()),
+        }
+        .iter()
+        .filter(|(name, _)| aliased(name))
+        .count();
+        if found == 0 {
+            return Ok(());
+        }
+        if mode == UnderscoreHeaders::Reject {
+            self.metrics.underscore_headers("rejected", found);
+            return Err(ProxyError::BadRequest(
+                "a header name with '_' (server.underscore_headers = \"reject\")",
+            ));
+        }
+        match head {
+            Some(head) => head.remove_names(aliased),
+            None => {
+                let names: Vec<header::HeaderName> = req
+                    .headers()
+                    .keys()
+                    .filter(|n| aliased(n.as_str().as_bytes()))
+                    .cloned()
+                    .collect();
+                for name in names {
+                    req.headers_mut().remove(name);
+                }
+            }
+        }
+        self.metrics.underscore_headers("dropped", found);
+        Ok(())
+    }
+
     async fn phases(
         &self,
         state: &State,
@@ -400,6 +458,17 @@ impl Proxy {
         let max = config.server.max_header_bytes;
         if head_size(req, ctx.head) > max {
             return Err(ProxyError::HeadersTooLarge(max));
+        }
+        router::check_method(req.method())?;
+        // Routed by its normal form, and forwarded in it, so that sluice
+        // and the upstream read one path.
+        let normal = match router::normalize(req.uri().path(), config.server.escaped_slashes)? {
+            std::borrow::Cow::Borrowed(_) => None,
+            std::borrow::Cow::Owned(path) => Some(path),
+        };
+        if let Some(path) = normal {
+            *req.uri_mut() = with_path(req.uri(), &path)
+                .ok_or(ProxyError::BadRequest("invalid request target"))?;
         }
         let host = request_host(req, ctx.head)?;
         let route = state
@@ -550,10 +619,12 @@ impl Proxy {
         };
         let index = forward::pick(upstream);
         let server = &upstream.servers[index];
-        // An Upgrade (WebSocket...) is passed through: both sides switch, then
-        // bytes are copied both ways until either closes.
+        // An Upgrade the route allows (WebSocket...) is passed through: both
+        // sides switch, then bytes are copied both ways until either closes.
+        // Any other goes on as a plain request, its `Upgrade` removed with
+        // the hop-by-hop fields.
         let upgrade = (req.version() == http::Version::HTTP_11)
-            .then(|| forward::upgrade_protocol(fields(req, ctx.head)))
+            .then(|| forward::upgrade_protocol(fields(req, ctx.head), &route.upgrades))
             .flatten();
         let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut *req));
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
@@ -621,6 +692,19 @@ impl Proxy {
             }
             Some(Ok(resp)) => resp,
         };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS && client_side.is_none() {
+            // A switch nobody asked for (RFC 9110 15.2.2): what follows is
+            // not HTTP/1.1 this proxy could relay. The own client refuses
+            // one the same way.
+            tracing::warn!(upstream = %upstream.name, server = %server, "upstream answered 101 to a request that asked for no upgrade");
+            return Err(ProxyError::UpstreamUnreachable);
+        }
+        // Both framings (RFC 9112 6.3): the length is wrong and goes; the
+        // client gets the chunked body framed anew. (The own client's
+        // fields never hold both.)
+        if resp.headers().contains_key(header::TRANSFER_ENCODING) {
+            resp.headers_mut().remove(header::CONTENT_LENGTH);
+        }
         if let (StatusCode::SWITCHING_PROTOCOLS, Some(client_side)) = (resp.status(), client_side) {
             let upstream_side = hyper::upgrade::on(&mut resp);
             tokio::spawn(async move {
@@ -720,14 +804,40 @@ fn request_host(
             }
         }
     };
-    match (host, req.uri().authority()) {
-        (Some(h), _) => Ok(Some(h)),
-        (None, Some(a)) => Ok(HeaderValue::from_str(a.as_str()).ok()),
+    let host = match (host, req.uri().authority()) {
+        (Some(h), _) => h,
+        (None, Some(a)) => HeaderValue::from_str(a.as_str())
+            .map_err(|_| ProxyError::Refused(router::Refused::Host("invalid authority")))?,
         (None, None) if req.version() == Version::HTTP_11 => {
-            Err(ProxyError::BadRequest("HTTP/1.1 request without Host"))
+            return Err(ProxyError::BadRequest("HTTP/1.1 request without Host"));
         }
-        (None, None) => Ok(None),
+        (None, None) => return Ok(None),
+    };
+    // Compared and forwarded in its normal form (lowercase, no trailing
+    // dot, its port checked).
+    let normal = match router::normalize_host(host.as_bytes())? {
+        std::borrow::Cow::Borrowed(_) => None,
+        std::borrow::Cow::Owned(n) => Some(n),
+    };
+    match normal {
+        None => Ok(Some(host)),
+        Some(n) => HeaderValue::from_maybe_shared(Bytes::from(n))
+            .map(Some)
+            .map_err(|_| ProxyError::BadRequest("invalid Host header")),
     }
+}
+
+/// `uri` with its path replaced by `path` (its query kept as it came).
+fn with_path(uri: &http::Uri, path: &str) -> Option<http::Uri> {
+    let mut target = String::with_capacity(path.len() + uri.query().map_or(0, |q| q.len() + 1));
+    target.push_str(path);
+    if let Some(query) = uri.query() {
+        target.push('?');
+        target.push_str(query);
+    }
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(http::uri::PathAndQuery::try_from(target).ok()?);
+    http::Uri::from_parts(parts).ok()
 }
 
 /// True when an upstream call failed because the client's own body did (bad
