@@ -348,6 +348,39 @@ async fn hosts_are_compared_lowercased_without_a_trailing_dot() {
     }
 }
 
+/// An absolute-form target names the host, whatever `Host` says (RFC 9112
+/// 3.2.2); over HTTP/2, a `Host` that differs from `:authority` is refused.
+#[tokio::test]
+async fn the_target_s_authority_wins_over_host() {
+    let up = Upstream::start().await;
+    let s = start(&up, "").await;
+    for way in WAYS {
+        let r = exchange(
+            s.addr,
+            way,
+            "GET",
+            "http://api.example.com/x",
+            &["Host: other.example"],
+        )
+        .await;
+        assert_eq!(r.status, 200, "{way:?}");
+        assert!(r.limited(), "{way:?}: routed by Host, not the target");
+        assert_eq!(r.json()["headers"]["host"][0], "api.example.com");
+    }
+    let conn = TcpStream::connect(s.addr).await.unwrap();
+    let (mut h2, driver) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(conn))
+            .await
+            .unwrap();
+    tokio::spawn(driver);
+    let req = Request::get("http://api.example.com/x")
+        .header("host", "other.example")
+        .body(empty())
+        .unwrap();
+    let resp = h2.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+}
+
 /// sluice with `underscore_headers = mode`, counting by `X_Key` and
 /// passing `X-Api-Key` on.
 async fn start_underscores(up: &Upstream, mode: &str) -> Sluice {

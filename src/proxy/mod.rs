@@ -805,7 +805,19 @@ fn request_host(
         }
     };
     let host = match (host, req.uri().authority()) {
-        (Some(h), _) => h,
+        // HTTP/2: a Host beside `:authority` must name the same (RFC 9113
+        // 8.3.1), or sluice and the upstream could each read another.
+        (Some(h), Some(a)) if req.version() == Version::HTTP_2 => {
+            if !h.as_bytes().eq_ignore_ascii_case(a.as_str().as_bytes()) {
+                return Err(ProxyError::BadRequest("Host differs from :authority"));
+            }
+            h
+        }
+        // HTTP/1.1 absolute-form: the target's authority, not Host (RFC
+        // 9112 3.2.2).
+        (Some(_), Some(a)) => HeaderValue::from_str(a.as_str())
+            .map_err(|_| ProxyError::Refused(router::Refused::Host("invalid authority")))?,
+        (Some(h), None) => h,
         (None, Some(a)) => HeaderValue::from_str(a.as_str())
             .map_err(|_| ProxyError::Refused(router::Refused::Host("invalid authority")))?,
         (None, None) if req.version() == Version::HTTP_11 => {
