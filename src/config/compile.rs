@@ -183,9 +183,15 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         admin_listen: None,
         trusted_proxies: Vec::new(),
         upstream_timeout: Duration::from_secs(30),
-        max_header_bytes: 98_304,
+        max_header_bytes: 32 * 1024,
         shutdown_timeout: Duration::from_secs(10),
         header_timeout: Duration::from_secs(30),
+        client_body_timeout: Duration::from_secs(60),
+        client_send_timeout: Duration::from_secs(60),
+        max_connections: 16_384,
+        listen_backlog: 1024,
+        max_streams: 100,
+        max_upstream_per_client: 256,
         tls: None,
     };
     if let Some(v) = &raw.listen {
@@ -229,6 +235,36 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
     if let Some(v) = &raw.header_timeout {
         s.header_timeout =
             duration_value(d, "server.header_timeout", v).unwrap_or(s.header_timeout);
+    }
+    if let Some(v) = &raw.client_body_timeout {
+        s.client_body_timeout =
+            duration_value(d, "server.client_body_timeout", v).unwrap_or(s.client_body_timeout);
+    }
+    if let Some(v) = &raw.client_send_timeout {
+        s.client_send_timeout =
+            duration_value(d, "server.client_send_timeout", v).unwrap_or(s.client_send_timeout);
+    }
+    let mut count = |key: &str, v: &Spanned<i64>, max: u64| match positive(d, key, v) {
+        Some(n) if n > max => {
+            d.err(&v.span(), format!("{key}: must be between 1 and {max}"));
+            None
+        }
+        n => n,
+    };
+    if let Some(v) = &raw.max_connections {
+        s.max_connections = count("server.max_connections", v, 10_000_000)
+            .map_or(s.max_connections, |n| n as usize);
+    }
+    if let Some(v) = &raw.listen_backlog {
+        s.listen_backlog =
+            count("server.listen_backlog", v, 65_535).map_or(s.listen_backlog, |n| n as u32);
+    }
+    if let Some(v) = &raw.max_streams {
+        s.max_streams = count("server.max_streams", v, 10_000).map_or(s.max_streams, |n| n as u32);
+    }
+    if let Some(v) = &raw.max_upstream_per_client {
+        s.max_upstream_per_client = count("server.max_upstream_per_client", v, 10_000_000)
+            .map_or(s.max_upstream_per_client, |n| n as usize);
     }
     if let Some(v) = &raw.max_header_bytes {
         match positive(d, "server.max_header_bytes", v) {

@@ -58,6 +58,18 @@ pub struct ServerConfig {
     /// A client connection with no request in flight is closed when no
     /// request head has arrived for this long.
     pub header_timeout: Duration,
+    /// A client that sends no request body bytes for this long gets 408.
+    pub client_body_timeout: Duration,
+    /// A client that accepts no response bytes for this long is cut.
+    pub client_send_timeout: Duration,
+    /// Client connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// The listen backlog asked of the kernel (start only).
+    pub listen_backlog: u32,
+    /// HTTP/2 streams at once per client connection.
+    pub max_streams: u32,
+    /// Upstream exchanges in flight at once per client address.
+    pub max_upstream_per_client: usize,
     pub tls: Option<TlsFiles>,
 }
 

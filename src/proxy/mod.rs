@@ -250,8 +250,9 @@ impl Proxy {
     ///
     /// The store, the listeners and the worker count were set up at start: a
     /// change to `[store]`, `listen`, `admin_listen`, `workers`, turning
-    /// `tls` on or off, or `max_header_bytes` is logged and waits for a
-    /// restart. (`tls`'s files are read again: a renewed certificate serves new
+    /// `tls` on or off, `max_connections` or `listen_backlog` is logged and
+    /// waits for a restart (`max_header_bytes` and `max_streams` apply to
+    /// connections accepted after the reload). (`tls`'s files are read again: a renewed certificate serves new
     /// connections.) Counters live in the store, so they survive.
     pub fn replace(&self, config: Config) -> Result<(), TlsError> {
         let state = State::new(config, &self.metrics)?;
@@ -278,8 +279,11 @@ impl Proxy {
         if was.server.workers != now.server.workers {
             later.push("server.workers");
         }
-        if was.server.max_header_bytes != now.server.max_header_bytes {
-            later.push("server.max_header_bytes (hyper's read buffer)");
+        if was.server.max_connections != now.server.max_connections {
+            later.push("server.max_connections");
+        }
+        if was.server.listen_backlog != now.server.listen_backlog {
+            later.push("server.listen_backlog");
         }
         if !later.is_empty() {
             tracing::warn!(changed = %later.join(", "), "these settings take effect after a restart; the rest is in force");
