@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
+use http_body_util::Either;
+use hyper::body::Body as _;
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
@@ -24,6 +26,7 @@ use crate::graceful::{self, Shutdown};
 use crate::idle::{self, Idle, Tracked};
 use crate::limiter::{KeyCache, Limiter};
 use crate::proxy::{Answer, Proxy, ProxyError, RequestBody};
+use crate::stall::{Pumped, SendTimeout};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
@@ -159,6 +162,7 @@ impl Server {
                     }
                     let _ = stream.set_nodelay(true);
                     let limit = built_for.config.server.header_timeout;
+                    let send_timeout = built_for.config.server.client_send_timeout;
                     let idle = Idle::new();
                     let keys = Arc::new(KeyCache::default());
                     let service = {
@@ -168,7 +172,7 @@ impl Server {
                             // here, it made hyper copy the request's future once more.
                             let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                             async move {
-                                let request = idle.begin();
+                                let request = idle.clone().begin();
                                 let mut req = req.map(RequestBody::Stream);
                                 // Several requests at once (HTTP/2): each its own timer.
                                 let mut answer = None;
@@ -178,6 +182,16 @@ impl Server {
                                     || ProxyError::Unanswered.response(),
                                     Answer::into_response,
                                 );
+                                // An HTTP/2 stream without window is never
+                                // written to: its body is watched apart.
+                                let h2 = req.version() == http::Version::HTTP_2;
+                                let resp = resp.map(|body| match body {
+                                    Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
+                                        let idle = idle.clone();
+                                        Either::Right(Pumped::new(upstream, send_timeout, move || idle.close()))
+                                    }
+                                    body => Either::Left(body),
+                                });
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })
@@ -197,15 +211,17 @@ impl Server {
                                     _ = signal.changed() => return Ok(()),
                                 };
                                 if !http1 {
-                                    return protocols.serve(TokioIo::new(Coalesce(stream)), Proto::Auto, service, signal).await;
+                                    let io = SendTimeout::new(Coalesce(stream), send_timeout);
+                                    return protocols.serve(TokioIo::new(io), Proto::Auto, service, signal).await;
                                 }
                                 // HTTP/1: the usual requests served by sluice's own
                                 // server, the rest of the connection by hyper's.
-                                let client = front::Client { proxy: &proxy, peer, keys: &keys, idle: &conn_idle };
+                                let client = front::Client { proxy: &proxy, peer, keys: &keys, idle: &conn_idle, send_timeout };
                                 match front::serve(stream, client, &mut signal).await? {
                                     front::Served::Closed => Ok(()),
                                     front::Served::Handoff(rest) => {
-                                        protocols.serve(TokioIo::new(Coalesce(rest)), Proto::Http1, service, signal).await
+                                        let io = SendTimeout::new(Coalesce(rest), send_timeout);
+                                        protocols.serve(TokioIo::new(io), Proto::Http1, service, signal).await
                                     }
                                 }
                             }, idle, limit, peer);
@@ -235,7 +251,8 @@ impl Server {
                                 };
                                 idle::spawn(async move {
                                     let _permit = permit;
-                                    protocols.serve(TokioIo::new(stream), proto, service, signal).await
+                                    let io = SendTimeout::new(stream, send_timeout);
+                                    protocols.serve(TokioIo::new(io), proto, service, signal).await
                                 }, idle, limit, peer);
                             });
                         }

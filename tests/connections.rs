@@ -3,11 +3,13 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 
 const RESPOND: &str = "[[routes]]\npath = \"/\"\nrespond = { status = 200, body = \"hi\" }\n";
 
@@ -87,4 +89,107 @@ async fn past_max_connections_new_clients_wait_in_the_backlog() {
         .expect("served once a connection closed")
         .unwrap();
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}
+
+/// An upstream that answers every request with an endless body (a 1 GiB
+/// `Content-Length`, written as fast as it is taken); the flag turns true
+/// once sluice has closed such an exchange.
+async fn endless_upstream() -> (String, Arc<AtomicBool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let flag = flag.clone();
+            tokio::spawn(async move {
+                if read_head(&mut conn).await.is_none() {
+                    return;
+                }
+                let head = b"HTTP/1.1 200 OK\r\ncontent-length: 1073741824\r\n\r\n";
+                if conn.write_all(head).await.is_err() {
+                    return;
+                }
+                let chunk = vec![0u8; 64 * 1024];
+                while conn.write_all(&chunk).await.is_ok() {}
+                flag.store(true, Ordering::SeqCst);
+            });
+        }
+    });
+    (url, closed)
+}
+
+/// A client connection that takes in little at a time, and here nothing.
+async fn stalled_client(addr: std::net::SocketAddr, request: &[u8]) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut c = socket.connect(addr).await.unwrap();
+    c.write_all(request).await.unwrap();
+    c
+}
+
+/// Reads what `c` still delivers: how many bytes, until it ends.
+async fn drain(mut c: TcpStream) -> u64 {
+    let mut n = 0;
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return n,
+            Ok(Ok(k)) => n += k as u64,
+            Err(_) => panic!("the connection stayed open after the cut"),
+        }
+    }
+}
+
+fn send_timeout_config(upstream: &str) -> String {
+    format!(
+        "[server]\nclient_send_timeout = \"300ms\"\n\
+         [upstreams.u]\nurl = \"{upstream}\"\n[[routes]]\npath = \"/\"\nupstream = \"u\"\n"
+    )
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_read_is_cut_with_its_upstream_exchange() {
+    let (upstream, closed) = endless_upstream().await;
+    let s = Sluice::start(&send_timeout_config(&upstream)).await;
+    // sluice's own server (no body), then hyper's (a body).
+    for request in [
+        &b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n"[..],
+        b"POST /big HTTP/1.1\r\nhost: a\r\ncontent-length: 1\r\n\r\nx",
+    ] {
+        closed.store(false, Ordering::SeqCst);
+        let c = stalled_client(s.addr, request).await;
+        wait_until(|| closed.load(Ordering::SeqCst)).await;
+        let got = drain(c).await;
+        assert!(got < 1 << 30, "{got} bytes");
+    }
+}
+
+#[tokio::test]
+async fn an_http2_stream_whose_window_stays_shut_is_cut() {
+    let (upstream, closed) = endless_upstream().await;
+    let s = Sluice::start(&send_timeout_config(&upstream)).await;
+    let tcp = TcpStream::connect(s.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let ended = Arc::new(AtomicBool::new(false));
+    let flag = ended.clone();
+    tokio::spawn(async move {
+        let _ = conn.await;
+        flag.store(true, Ordering::SeqCst);
+    });
+    let req = http::Request::get(format!("http://{}/big", s.addr))
+        .body(empty())
+        .unwrap();
+    // The answer's head comes; its body is never read, so the stream's
+    // window is never opened again.
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), http::StatusCode::OK);
+    wait_until(|| closed.load(Ordering::SeqCst)).await;
+    wait_until(|| ended.load(Ordering::SeqCst)).await;
+    drop(resp);
 }
