@@ -193,3 +193,32 @@ async fn an_http2_stream_whose_window_stays_shut_is_cut() {
     wait_until(|| ended.load(Ordering::SeqCst)).await;
     drop(resp);
 }
+
+#[tokio::test]
+async fn a_client_holds_at_most_max_upstream_per_client_exchanges() {
+    let (endless, _) = endless_upstream().await;
+    let up = Upstream::start().await;
+    let s = Sluice::start(&format!(
+        "[server]\nmax_upstream_per_client = 2\n\
+         [upstreams.endless]\nurl = \"{endless}\"\n[upstreams.api]\nurl = \"{}\"\n\
+         [[routes]]\npath = \"/big\"\nupstream = \"endless\"\n\
+         [[routes]]\npath = \"/\"\nupstream = \"api\"\n",
+        up.url()
+    ))
+    .await;
+    let me: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let request = b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n";
+    let first = stalled_client(s.addr, request).await;
+    let _second = stalled_client(s.addr, request).await;
+    wait_until(|| s.proxy.upstream_in_flight(me) == 2).await;
+    let busy = get(&s.url("/echo"), &[]).await;
+    assert_eq!(busy.status, http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(busy.header("retry-after"), Some("1"));
+    assert_eq!(up.hits(), 0);
+    // One exchange ends with its client: the next request goes through.
+    drop(first);
+    wait_until(|| s.proxy.upstream_in_flight(me) == 1).await;
+    assert_eq!(get(&s.url("/echo"), &[]).await.status, http::StatusCode::OK);
+    // Its slot was given back once its answer was sent.
+    wait_until(|| s.proxy.upstream_in_flight(me) == 1).await;
+}

@@ -20,6 +20,7 @@
 mod error;
 mod forward;
 mod h1;
+mod per_client;
 pub(crate) mod plain_head;
 mod pool;
 mod ratelimit_headers;
@@ -156,6 +157,8 @@ pub struct Proxy {
     https: bool,
     /// What was set up at start and only a restart changes.
     boot: Boot,
+    /// Upstream exchanges in flight per client address.
+    per_client: Arc<per_client::PerClient>,
 }
 
 /// The settings a reload cannot change.
@@ -234,7 +237,14 @@ impl Proxy {
             client: UpstreamClient::new(None)?,
             metrics,
             https,
+            per_client: Arc::default(),
         })
+    }
+
+    /// The upstream exchanges `client` has in flight
+    /// (`server.max_upstream_per_client`).
+    pub fn upstream_in_flight(&self, client: std::net::IpAddr) -> usize {
+        self.per_client.count(client)
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -545,6 +555,18 @@ impl Proxy {
             }
             Target::Upstream(upstream) => upstream,
         };
+        // A slot of the client's, held until the answer's body is done with.
+        let server_config = &state.config.server;
+        let client_ip = identity::client_ip(
+            peer.ip(),
+            fields(req, ctx.head),
+            &server_config.trusted_proxies,
+        );
+        let max = server_config.max_upstream_per_client;
+        let slot = self
+            .per_client
+            .take(client_ip, max)
+            .ok_or(ProxyError::ClientBusy(max))?;
         let index = forward::pick(upstream);
         let server = &upstream.servers[index];
         // An Upgrade (WebSocket...) is passed through: both sides switch, then
@@ -616,7 +638,10 @@ impl Proxy {
                 tracing::warn!(upstream = %upstream.name, server = %server, error = %error_chain(&e), "upstream request failed");
                 return Err(ProxyError::UpstreamUnreachable);
             }
-            Some(Ok(resp)) => resp,
+            Some(Ok(mut resp)) => {
+                resp.body_mut().hold(slot);
+                resp
+            }
         };
         if let (StatusCode::SWITCHING_PROTOCOLS, Some(client_side)) = (resp.status(), client_side) {
             let upstream_side = hyper::upgrade::on(&mut resp);

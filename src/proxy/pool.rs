@@ -45,6 +45,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use super::h1;
+use super::per_client::Slot;
 use crate::coalesce::Coalesce;
 use crate::config::UpstreamServer;
 use crate::tls::TlsError;
@@ -385,7 +386,14 @@ impl UpstreamClient {
 /// Boxed: a response is moved about twenty times on its way to the client,
 /// and the connection it holds would make each move a copy of some 170
 /// bytes; one allocation is cheaper.
-pub struct PooledBody(Box<Read>);
+pub struct PooledBody(Box<Held>);
+
+/// What the body holds: its reader, and its client's slot (see
+/// [`super::per_client`]), given back when the body is dropped.
+struct Held {
+    read: Read,
+    slot: Option<Slot>,
+}
 
 type Back<C> = (C, Arc<Pools>, Origin);
 
@@ -405,15 +413,23 @@ impl PooledBody {
     /// The answer's fields as the own client read them (see [`h1::Fields`]);
     /// `None` when they are in the answer's map.
     pub fn take_fields(&mut self) -> Option<Box<h1::Fields>> {
-        match &mut *self.0 {
+        match &mut self.0.read {
             Read::Own { reader, .. } => reader.take_fields(),
             Read::Hyper { .. } => None,
         }
     }
 
+    /// Keeps the client's slot until the body is done with.
+    pub fn hold(&mut self, slot: Slot) {
+        self.0.slot = Some(slot);
+    }
+
     fn hyper(inner: Incoming, back: Option<Back<SendRequest<RequestBody>>>) -> PooledBody {
         let end = inner.is_end_stream();
-        let mut body = PooledBody(Box::new(Read::Hyper { inner, back }));
+        let mut body = PooledBody(Box::new(Held {
+            read: Read::Hyper { inner, back },
+            slot: None,
+        }));
         // An empty body (a 204, a HEAD) may never be polled.
         if end {
             body.give_back();
@@ -427,9 +443,12 @@ impl PooledBody {
         (pools, origin): (Arc<Pools>, Origin),
     ) -> PooledBody {
         let end = reader.is_end();
-        let mut body = PooledBody(Box::new(Read::Own {
-            reader,
-            back: Some((conn, pools, origin)),
+        let mut body = PooledBody(Box::new(Held {
+            read: Read::Own {
+                reader,
+                back: Some((conn, pools, origin)),
+            },
+            slot: None,
         }));
         if end {
             body.give_back();
@@ -438,7 +457,7 @@ impl PooledBody {
     }
 
     fn give_back(&mut self) {
-        match &mut *self.0 {
+        match &mut self.0.read {
             Read::Hyper { back, .. } => {
                 if let Some((sender, pools, origin)) = back.take() {
                     pools.hyper.give_back(origin, sender);
@@ -464,7 +483,7 @@ impl Body for PooledBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        let (frame, end) = match &mut *this.0 {
+        let (frame, end) = match &mut this.0.read {
             Read::Hyper { inner, back } => {
                 let frame = ready!(Pin::new(&mut *inner).poll_frame(cx));
                 let end = ends(&frame, inner.is_end_stream(), back);
@@ -486,14 +505,14 @@ impl Body for PooledBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &*self.0 {
+        match &self.0.read {
             Read::Hyper { inner, .. } => inner.is_end_stream(),
             Read::Own { reader, back } => back.is_none() || reader.is_end(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &*self.0 {
+        match &self.0.read {
             Read::Hyper { inner, .. } => inner.size_hint(),
             Read::Own { reader, .. } => reader.size_hint(),
         }
