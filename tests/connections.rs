@@ -222,3 +222,97 @@ async fn a_client_holds_at_most_max_upstream_per_client_exchanges() {
     // Its slot was given back once its answer was sent.
     wait_until(|| s.proxy.upstream_in_flight(me) == 1).await;
 }
+
+#[tokio::test]
+async fn upstream_timeout_counts_from_the_end_of_a_slow_steady_upload() {
+    let up = Upstream::start().await;
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"300ms\"\nclient_body_timeout = \"2s\"\n{}",
+        proxy_to(&up.url())
+    ))
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n")
+        .await
+        .unwrap();
+    // A byte every 100 ms, for longer than upstream_timeout.
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    for _ in 0..8 {
+        tick.tick().await;
+        c.write_all(b"1\r\nx\r\n").await.unwrap();
+    }
+    c.write_all(b"0\r\n\r\n").await.unwrap();
+    let head = tokio::time::timeout(Duration::from_secs(5), read_head(&mut c))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.ends_with("\r\n\r\n8"), "{head}");
+}
+
+#[tokio::test]
+async fn a_silent_upload_gets_408() {
+    let up = Upstream::start().await;
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"10s\"\nclient_body_timeout = \"300ms\"\n{}",
+        proxy_to(&up.url())
+    ))
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\nab")
+        .await
+        .unwrap();
+    let head = tokio::time::timeout(Duration::from_secs(3), read_head(&mut c))
+        .await
+        .expect("an answer before upstream_timeout")
+        .unwrap();
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
+    );
+}
+
+#[tokio::test]
+async fn an_upstream_that_stops_taking_the_body_times_out() {
+    // It reads the head, then neither reads nor answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let _ = read_head(&mut conn).await;
+            held.push(conn);
+        }
+    });
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"300ms\"\n{}",
+        proxy_to(&upstream)
+    ))
+    .await;
+    let size = 64 << 20;
+    let c = TcpStream::connect(s.addr).await.unwrap();
+    let (mut read, mut write) = c.into_split();
+    tokio::spawn(async move {
+        let head = format!("POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: {size}\r\n\r\n");
+        write.write_all(head.as_bytes()).await?;
+        write.write_all(&vec![0u8; size]).await
+    });
+    let mut got = Vec::new();
+    let answer = tokio::time::timeout(Duration::from_secs(5), async {
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut chunk = [0u8; 1024];
+            match read.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(answer.is_ok(), "no answer");
+    assert!(
+        got.starts_with(b"HTTP/1.1 504"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+}

@@ -603,7 +603,7 @@ impl Proxy {
                     .ok_or(ProxyError::BadRequest("invalid header field"))?;
             }
             let req = std::mem::replace(req, Request::new(RequestBody::Empty));
-            let req = forward::rewrite_request(
+            let mut req = forward::rewrite_request(
                 req,
                 upstream,
                 server,
@@ -613,11 +613,31 @@ impl Proxy {
                 upgrade.as_ref(),
             )
             .map_err(ProxyError::BadRequest)?;
+            let uploaded = req.body_mut().watch(server_config.client_body_timeout);
             // Boxed: hyper's exchange has a large state, which would size
             // every request's future.
-            let exchange = Box::pin(client.request(server, req));
+            let mut exchange = Box::pin(client.request(server, req));
+            // `upstream_timeout` counts from the end of the upload: a slow
+            // but steady client is not the upstream's fault. (An upstream
+            // may answer before it has the whole body.)
+            let early = match uploaded {
+                Some((uploaded, progress)) => {
+                    let up = (&mut exchange, uploaded, &*progress);
+                    match upload(up, timeout).await {
+                        Upload::Answered(out) => Some(out),
+                        Upload::Sent => None,
+                        Upload::Stalled => {
+                            return Err(ProxyError::UpstreamTimeout(timeout.as_millis()));
+                        }
+                    }
+                }
+                None => None,
+            };
             sent = tokio::time::Instant::now();
-            within(sent + timeout, ctx.timer.take(), exchange).await
+            match early {
+                Some(out) => Some(out),
+                None => within(sent + timeout, ctx.timer.take(), exchange).await,
+            }
         };
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
@@ -626,6 +646,10 @@ impl Proxy {
         }
         let mut resp = match result {
             None => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
+            Some(Err(UpstreamError::Http(e))) if pool::is_body_stalled(&e) => {
+                let limit = server_config.client_body_timeout;
+                return Err(ProxyError::BodyTimeout(limit.as_millis()));
+            }
             Some(Err(UpstreamError::Http(e))) if client_body_failed(&e) => {
                 return Err(ProxyError::BadRequest(
                     "the request body was malformed or cut off",
@@ -667,6 +691,42 @@ impl Proxy {
         }
         forward::strip_hop_by_hop(resp.headers_mut());
         Ok(resp.map(Either::Left))
+    }
+}
+
+/// How the upload of a request body ended (see [`upload`]).
+enum Upload<T> {
+    /// The upstream answered before it had the whole body.
+    Answered(T),
+    /// All of it was handed to the upstream connection.
+    Sent,
+    /// The upstream took nothing for `upstream_timeout` while the client
+    /// had sent all it was asked for.
+    Stalled,
+}
+
+/// Waits while a request body goes upstream: `upstream_timeout` does not
+/// run then (the client's pace is not the upstream's fault), but an
+/// upstream that stops taking the body is given that long.
+async fn upload<F: Future + Unpin>(
+    (exchange, mut sent, progress): (F, tokio::sync::oneshot::Receiver<()>, &pool::Progress),
+    timeout: Duration,
+) -> Upload<F::Output> {
+    let mut exchange = exchange;
+    let check = tokio::time::sleep(timeout);
+    tokio::pin!(check);
+    loop {
+        tokio::select! {
+            out = &mut exchange => return Upload::Answered(out),
+            _ = &mut sent => return Upload::Sent,
+            _ = &mut check => {
+                let stalled = progress.upstream_stalled_for();
+                if stalled >= timeout {
+                    return Upload::Stalled;
+                }
+                check.as_mut().reset(tokio::time::Instant::now() + (timeout - stalled));
+            }
+        }
     }
 }
 

@@ -549,19 +549,155 @@ fn bare_host(server: &UpstreamServer) -> &str {
 /// or one sent once more, see [`replayable`]).
 pub enum RequestBody {
     Stream(Incoming),
+    /// The client's, on its way upstream (see [`RequestBody::watch`]).
+    Uploading(Box<Uploading>),
     Empty,
 }
 
+/// A request body being sent upstream: it fails once the client has sent
+/// nothing for `server.client_body_timeout`, and says when it has all gone.
+pub struct Uploading {
+    inner: Incoming,
+    limit: Duration,
+    /// Made the first time the client keeps the body waiting; armed while it does.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+    /// Told when the whole body has been handed to the upstream connection.
+    sent: Option<tokio::sync::oneshot::Sender<()>>,
+    progress: Arc<Progress>,
+}
+
+/// How an upload is going, for the wait on the upstream meanwhile.
+#[derive(Default)]
+pub struct Progress {
+    /// When the upstream connection last asked for more ([`crate::clock::coarse_ms`]).
+    asked_ms: std::sync::atomic::AtomicU64,
+    /// Whether that ask is waiting for the client.
+    waiting_for_client: std::sync::atomic::AtomicBool,
+}
+
+impl Progress {
+    /// How long the upstream has taken nothing while the client had given
+    /// all it was asked for (nginx's `proxy_send_timeout`).
+    pub fn upstream_stalled_for(&self) -> Duration {
+        use std::sync::atomic::Ordering;
+        if self.waiting_for_client.load(Ordering::Acquire) {
+            return Duration::ZERO;
+        }
+        let asked = self.asked_ms.load(Ordering::Acquire);
+        Duration::from_millis(crate::clock::coarse_ms().saturating_sub(asked))
+    }
+}
+
+/// The client sent no request body bytes for `server.client_body_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("no request body bytes for server.client_body_timeout")]
+pub struct BodyStalled;
+
+impl RequestBody {
+    /// Watches a body still to come from the client: it fails after `limit`
+    /// without a byte from the client (a timer that runs only while the
+    /// upstream waits for the client, not the other way round), and the
+    /// receiver learns when all of it has been sent. `None`: no body to wait for.
+    pub fn watch(
+        &mut self,
+        limit: Duration,
+    ) -> Option<(tokio::sync::oneshot::Receiver<()>, Arc<Progress>)> {
+        if self.is_end_stream() {
+            return None;
+        }
+        let RequestBody::Stream(_) = self else {
+            return None;
+        };
+        let RequestBody::Stream(inner) = std::mem::replace(self, RequestBody::Empty) else {
+            return None;
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let progress = Arc::new(Progress {
+            asked_ms: crate::clock::coarse_ms().into(),
+            waiting_for_client: false.into(),
+        });
+        *self = RequestBody::Uploading(Box::new(Uploading {
+            inner,
+            limit,
+            timer: None,
+            armed: false,
+            sent: Some(tx),
+            progress: progress.clone(),
+        }));
+        Some((rx, progress))
+    }
+}
+
+impl Uploading {
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        use std::sync::atomic::Ordering;
+        let poll = Pin::new(&mut self.inner)
+            .poll_frame(cx)
+            .map_err(BoxError::from);
+        self.progress
+            .asked_ms
+            .store(crate::clock::coarse_ms(), Ordering::Release);
+        self.progress
+            .waiting_for_client
+            .store(poll.is_pending(), Ordering::Release);
+        match &poll {
+            Poll::Ready(frame) => {
+                self.armed = false;
+                let over = match frame {
+                    None | Some(Err(_)) => true,
+                    Some(Ok(_)) => self.inner.is_end_stream(),
+                };
+                if over && let Some(sent) = self.sent.take() {
+                    let _ = sent.send(());
+                }
+                poll
+            }
+            Poll::Pending => {
+                let deadline = tokio::time::Instant::now() + self.limit;
+                let timer = self
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if !self.armed {
+                    timer.as_mut().reset(deadline);
+                    self.armed = true;
+                }
+                match timer.as_mut().poll(cx) {
+                    // hyper's client reports it as a user error whose
+                    // source this is (see `is_body_stalled`).
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled)))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+}
+
+/// Whether `e` (from hyper's client) is a request body that stalled.
+pub fn is_body_stalled(e: &hyper::Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if c.is::<BodyStalled>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 impl Body for RequestBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            RequestBody::Stream(body) => Pin::new(body).poll_frame(cx),
+            RequestBody::Stream(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            RequestBody::Uploading(body) => body.poll_frame(cx),
             RequestBody::Empty => Poll::Ready(None),
         }
     }
@@ -569,6 +705,7 @@ impl Body for RequestBody {
     fn is_end_stream(&self) -> bool {
         match self {
             RequestBody::Stream(body) => body.is_end_stream(),
+            RequestBody::Uploading(body) => body.inner.is_end_stream(),
             RequestBody::Empty => true,
         }
     }
@@ -576,6 +713,7 @@ impl Body for RequestBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             RequestBody::Stream(body) => body.size_hint(),
+            RequestBody::Uploading(body) => body.inner.size_hint(),
             RequestBody::Empty => SizeHint::with_exact(0),
         }
     }
