@@ -188,7 +188,8 @@ impl Server {
                                 let resp = resp.map(|body| match body {
                                     Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
                                         let idle = idle.clone();
-                                        Either::Right(Pumped::new(upstream, send_timeout, move || idle.close()))
+                                        let ahead = crate::stall::READ_AHEAD;
+                                        Either::Right(Pumped::new(upstream, ahead, send_timeout, move || idle.close()))
                                     }
                                     body => Either::Left(body),
                                 });

@@ -133,7 +133,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for SendTimeout<T> {
     }
 }
 
-/// Response body bytes read ahead of an HTTP/2 client, at most.
+/// Response body bytes read ahead of an HTTP/2 client, at most, by its
+/// watchdog (beyond the upstream's `buffer`).
 pub const READ_AHEAD: usize = 64 * 1024;
 
 /// What the reading task hands over: a frame and the queue room it takes.
@@ -147,17 +148,23 @@ pub struct Pumped {
 }
 
 impl Pumped {
-    /// Starts reading `body` ahead of the client, which has `limit` to take
-    /// what is queued; `cut` runs if it does not (it closes the connection:
-    /// the queue, and what hyper holds for the stream, go with it).
-    pub fn new<B>(body: B, limit: Duration, cut: impl FnOnce() + Send + 'static) -> Pumped
+    /// Starts reading `body` ahead of the client, at most `room` bytes,
+    /// which the client has `limit` to take; `cut` runs if it does not (for
+    /// HTTP/2 it closes the connection: the queue, and what hyper holds for
+    /// the stream, go with it).
+    pub fn new<B>(
+        body: B,
+        room: usize,
+        limit: Duration,
+        cut: impl FnOnce() + Send + 'static,
+    ) -> Pumped
     where
         B: Body<Data = Bytes> + Send + Unpin + 'static,
         B::Error: Into<BoxError> + Send,
     {
         let hint = body.size_hint();
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(pump(body, tx, limit, cut));
+        tokio::spawn(pump(body, tx, room.max(1), limit, cut));
         Pumped {
             rx,
             hint,
@@ -168,13 +175,20 @@ impl Pumped {
 
 /// Reads `body` into `tx` while the queue has room; ends the body when the
 /// client has left (`tx` closed) or taken nothing for `limit`.
-async fn pump<B>(mut body: B, tx: mpsc::UnboundedSender<Item>, limit: Duration, cut: impl FnOnce())
-where
+async fn pump<B>(
+    mut body: B,
+    tx: mpsc::UnboundedSender<Item>,
+    room: usize,
+    limit: Duration,
+    cut: impl FnOnce(),
+) where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     use http_body_util::BodyExt;
-    let room = Arc::new(Semaphore::new(READ_AHEAD));
+    let room = room.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
+    let most = room as u32;
+    let room = Arc::new(Semaphore::new(room));
     loop {
         let frame = tokio::select! {
             frame = body.frame() => frame,
@@ -189,7 +203,8 @@ where
             }
             Some(Ok(frame)) => frame,
         };
-        let size = frame.data_ref().map_or(0, |d| d.len()).min(READ_AHEAD) as u32;
+        // A frame larger than the room waits for all of it.
+        let size = frame.data_ref().map_or(0, |d| d.len()).min(most as usize) as u32;
         let permit = match room.clone().try_acquire_many_owned(size) {
             Ok(permit) => permit,
             Err(_) => {

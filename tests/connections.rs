@@ -316,3 +316,60 @@ async fn an_upstream_that_stops_taking_the_body_times_out() {
         String::from_utf8_lossy(&got)
     );
 }
+
+/// A backend with one worker: one connection at a time, `Connection:
+/// close`; `/big` is 48 MiB. The flag turns true once it has written all of
+/// `/big`.
+async fn one_worker_upstream() -> (String, Arc<AtomicBool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let done = Arc::new(AtomicBool::new(false));
+    let flag = done.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let Some(head) = read_head(&mut conn).await else {
+                continue;
+            };
+            if head.starts_with("GET /big ") {
+                let size = 48 << 20;
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {size}\r\nconnection: close\r\n\r\n"
+                );
+                if conn.write_all(head.as_bytes()).await.is_ok()
+                    && conn.write_all(&vec![7u8; size]).await.is_ok()
+                {
+                    flag.store(true, Ordering::SeqCst);
+                }
+            } else {
+                let _ = conn
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                    )
+                    .await;
+            }
+        }
+    });
+    (url, done)
+}
+
+#[tokio::test]
+async fn a_slow_reader_does_not_hold_a_one_worker_backend() {
+    let (upstream, big_sent) = one_worker_upstream().await;
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"2s\"\n\
+         [upstreams.one]\nurl = \"{upstream}\"\nbuffer = \"64MiB\"\n\
+         [[routes]]\npath = \"/\"\nupstream = \"one\"\n"
+    ))
+    .await;
+    let request = b"GET /big HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+    let slow = stalled_client(s.addr, request).await;
+    // sluice takes the whole answer, so the worker is free again...
+    wait_until(|| big_sent.load(Ordering::SeqCst)).await;
+    // ...for everyone else, while the slow client has read nothing.
+    let other = get(&s.url("/small"), &[]).await;
+    assert_eq!(other.status, http::StatusCode::OK);
+    assert_eq!(&other.body[..], b"ok");
+    // And the slow client still gets all of it (and a head) when it reads.
+    let got = drain(slow).await;
+    assert!(got > 48 << 20 && got < (48 << 20) + 1024, "{got}");
+}

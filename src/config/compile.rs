@@ -138,6 +138,40 @@ fn duration_value(d: &mut Diag, key: &str, value: &Spanned<String>) -> Option<Du
     }
 }
 
+/// A size: `"0"`, `"4096"`, `"512KiB"`, `"1MiB"`, `"1GiB"` (also `B`, `KB`,
+/// `MB`, `GB`); at most 4 GiB.
+fn size_value(d: &mut Diag, key: &str, value: &Spanned<String>) -> Option<usize> {
+    let text = value.get_ref().trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let unit_bytes: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => 0,
+    };
+    match number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit_bytes))
+    {
+        Some(n) if unit_bytes > 0 && n <= 4 << 30 => Some(n as usize),
+        _ => {
+            d.err(
+                &value.span(),
+                format!("{key}: '{text}' is not a size like \"1MiB\", \"512KiB\" or \"0\" (at most 4GiB)"),
+            );
+            None
+        }
+    }
+}
+
 fn positive(d: &mut Diag, key: &str, value: &Spanned<i64>) -> Option<u64> {
     if *value.get_ref() <= 0 {
         d.err(
@@ -461,6 +495,10 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
         servers,
         ca: ca.map(|(_, path)| path),
         pass_host: r.pass_host.unwrap_or(false),
+        buffer: match &r.buffer {
+            Some(v) => size_value(d, &format!("{key}: buffer"), v)?,
+            None => 1 << 20,
+        },
         next: Default::default(),
     })
 }

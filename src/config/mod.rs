@@ -129,6 +129,9 @@ pub struct Upstream {
     pub ca: Option<PathBuf>,
     /// Send the client's `Host` upstream instead of the server's own authority.
     pub pass_host: bool,
+    /// Response bytes read ahead of a slow client (0: streamed as the
+    /// client takes them).
+    pub buffer: usize,
     /// Round-robin position: runtime state, but one counter per upstream is all
     /// balancing needs, and it lives and dies with this config.
     pub next: std::sync::atomic::AtomicUsize,

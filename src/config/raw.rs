@@ -80,6 +80,7 @@ pub struct RawUpstream {
     pub urls: Option<Vec<Spanned<String>>>,
     pub ca: Option<Spanned<String>>,
     pub pass_host: Option<bool>,
+    pub buffer: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

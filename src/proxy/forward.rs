@@ -338,6 +338,7 @@ mod tests {
             }],
             ca: None,
             pass_host,
+            buffer: 0,
             next: Default::default(),
             down_until: vec![Default::default()],
         }

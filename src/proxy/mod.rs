@@ -690,7 +690,9 @@ impl Proxy {
             return Ok(resp.map(Either::Left));
         }
         forward::strip_hop_by_hop(resp.headers_mut());
-        Ok(resp.map(Either::Left))
+        // Read ahead of a slow client, up to the upstream's `buffer`.
+        let send_timeout = server_config.client_send_timeout;
+        Ok(resp.map(|body| Either::Left(body.read_ahead(upstream.buffer, send_timeout))))
     }
 }
 

@@ -407,7 +407,17 @@ enum Read {
         /// The connection, while the body is being read from it.
         back: Option<Back<h1::Conn>>,
     },
+    /// Read ahead of the client by a task (see [`PooledBody::read_ahead`]).
+    Ahead {
+        pumped: crate::stall::Pumped,
+        fields: Option<Box<h1::Fields>>,
+    },
 }
+
+/// Answers of known length up to this size are not read ahead: the
+/// sockets' buffers on both sides hold them, so the upstream is done with
+/// them anyway, and a task per answer would cost the usual small one.
+const SMALL: u64 = 64 * 1024;
 
 impl PooledBody {
     /// The answer's fields as the own client read them (see [`h1::Fields`]);
@@ -416,7 +426,29 @@ impl PooledBody {
         match &mut self.0.read {
             Read::Own { reader, .. } => reader.take_fields(),
             Read::Hyper { .. } => None,
+            Read::Ahead { fields, .. } => fields.take(),
         }
+    }
+
+    /// Reads the rest of the answer up to `bytes` ahead of the client (the
+    /// upstream's `buffer`), so that a slow client does not hold the upstream
+    /// (a backend worker, its connection) longer than the answer takes to
+    /// arrive; a client that takes nothing for `send_timeout` from a full
+    /// buffer ends it. `0`: streamed as the client takes it.
+    pub fn read_ahead(mut self, bytes: usize, send_timeout: Duration) -> PooledBody {
+        if bytes == 0
+            || self.is_end_stream()
+            || self.size_hint().exact().is_some_and(|n| n <= SMALL)
+        {
+            return self;
+        }
+        let fields = self.take_fields();
+        let slot = self.0.slot.take();
+        let pumped = crate::stall::Pumped::new(self, bytes, send_timeout, || {});
+        PooledBody(Box::new(Held {
+            read: Read::Ahead { pumped, fields },
+            slot,
+        }))
     }
 
     /// Keeps the client's slot until the body is done with.
@@ -470,6 +502,8 @@ impl PooledBody {
                     pools.own.give_back(origin, conn);
                 }
             }
+            // The task gives its body's connection back.
+            Read::Ahead { .. } => {}
         }
     }
 }
@@ -497,6 +531,7 @@ impl Body for PooledBody {
                 let end = ends(&frame, reader.is_end(), back);
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
+            Read::Ahead { pumped, .. } => return Pin::new(pumped).poll_frame(cx),
         };
         if end {
             this.give_back();
@@ -508,6 +543,7 @@ impl Body for PooledBody {
         match &self.0.read {
             Read::Hyper { inner, .. } => inner.is_end_stream(),
             Read::Own { reader, back } => back.is_none() || reader.is_end(),
+            Read::Ahead { pumped, .. } => pumped.is_end_stream(),
         }
     }
 
@@ -515,6 +551,7 @@ impl Body for PooledBody {
         match &self.0.read {
             Read::Hyper { inner, .. } => inner.size_hint(),
             Read::Own { reader, .. } => reader.size_hint(),
+            Read::Ahead { pumped, .. } => pumped.size_hint(),
         }
     }
 }
