@@ -49,6 +49,7 @@ use crate::fields::HeadFields;
 use crate::idle::Idle;
 use crate::limiter::KeyCache;
 use crate::proxy::{Answer, Body, Limits, Proxy, ProxyError, RequestBody, plain_head};
+use crate::stall::SendTimeout;
 
 /// The most a request head may take here; a longer one goes to hyper, whose
 /// limit is `server.max_header_bytes`.
@@ -65,6 +66,8 @@ pub struct Client<'a> {
     pub peer: SocketAddr,
     pub keys: &'a KeyCache,
     pub idle: &'a Arc<Idle>,
+    /// `server.client_send_timeout` (see [`crate::stall`]).
+    pub send_timeout: Duration,
 }
 
 /// How serving a connection here ended.
@@ -119,7 +122,8 @@ pub async fn serve(
                 }
                 Parsed::Malformed(why) => {
                     let mut resp = ProxyError::BadRequest(why).response();
-                    write_response(&mut stream, &mut out, &mut resp, None, false, false).await?;
+                    let mut sending = SendTimeout::new(&mut stream, client.send_timeout);
+                    write_response(&mut sending, &mut out, &mut resp, None, false, false).await?;
                     return Ok(Served::Closed);
                 }
             }
@@ -178,8 +182,11 @@ pub async fn serve(
             return Ok(Served::Closed);
         };
         let keep = !close && !signal.has_changed().unwrap_or(true);
+        // A client that takes no bytes for the timeout fails the write: the
+        // connection ends, and the answer's upstream exchange with it.
+        let mut sending = SendTimeout::new(&mut stream, client.send_timeout);
         let again = write_response(
-            &mut stream,
+            &mut sending,
             &mut out,
             resp,
             limits.as_ref(),
@@ -428,8 +435,8 @@ enum Framing {
 /// Writes `resp` (lent: moved, it was copied twice); `Ok(true)` when it
 /// went out whole and framed and neither side asked to close (`keep` false:
 /// the client did, or shutdown), so the connection can take another request.
-async fn write_response(
-    stream: &mut TcpStream,
+async fn write_response<W: AsyncWrite + Unpin>(
+    stream: &mut W,
     out: &mut Vec<u8>,
     resp: &mut Response<Body>,
     limits: Option<&Limits>,
@@ -600,7 +607,11 @@ fn chunk_line(out: &mut Vec<u8>, len: usize) {
 }
 
 /// Queues `data` behind what is waiting, or writes both when it is large.
-async fn send(stream: &mut TcpStream, out: &mut Vec<u8>, data: &[u8]) -> io::Result<()> {
+async fn send<W: AsyncWrite + Unpin>(
+    stream: &mut W,
+    out: &mut Vec<u8>,
+    data: &[u8],
+) -> io::Result<()> {
     if data.len() > COPY_LIMIT {
         flush(stream, out).await?;
         return stream.write_all(data).await;
@@ -612,7 +623,7 @@ async fn send(stream: &mut TcpStream, out: &mut Vec<u8>, data: &[u8]) -> io::Res
     Ok(())
 }
 
-async fn flush(stream: &mut TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
+async fn flush<W: AsyncWrite + Unpin>(stream: &mut W, out: &mut Vec<u8>) -> io::Result<()> {
     if !out.is_empty() {
         stream.write_all(out).await?;
         out.clear();

@@ -39,6 +39,8 @@ pub struct Idle {
     since_ms: AtomicU64,
     /// The task that closes the connection, stopped when the connection ends.
     watchdog: OnceLock<AbortHandle>,
+    /// The connection's own task (see [`Idle::close`]).
+    conn: OnceLock<AbortHandle>,
 }
 
 impl Idle {
@@ -47,7 +49,16 @@ impl Idle {
             in_flight: AtomicUsize::new(0),
             since_ms: AtomicU64::new(now_ms()),
             watchdog: OnceLock::new(),
+            conn: OnceLock::new(),
         })
+    }
+
+    /// Closes the connection now, its requests in flight included (a
+    /// client that stopped reading, see [`crate::stall`]).
+    pub fn close(&self) {
+        if let Some(conn) = self.conn.get() {
+            conn.abort();
+        }
     }
 
     /// A request head has arrived; the request ends when the guard drops.
@@ -148,6 +159,7 @@ where
         })
     };
     let conn_abort = conn_task.abort_handle();
+    let _ = idle.conn.set(conn_abort.clone());
     let watchdog = tokio::spawn({
         let idle = idle.clone();
         async move {

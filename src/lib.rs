@@ -7,6 +7,7 @@
 //! - [`front`]: sluice's own HTTP/1.1 server for the usual request on plain
 //!   TCP; it hands anything else to hyper's.
 //! - [`idle`]: closes client connections that have no request going.
+//! - [`stall`]: cuts clients that stop reading (`client_send_timeout`).
 //! - [`coalesce`]: small vectored writes sent as one buffer (plain TCP).
 //! - [`graceful`]: shutdown that lets requests in flight finish.
 //! - [`proxy`]: the phases of one request (match, identify, decide, forward,
@@ -39,6 +40,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod router;
 pub mod server;
+pub mod stall;
 pub mod store;
 pub mod tls;
 

@@ -89,6 +89,7 @@ fn check(path: &std::path::Path) -> anyhow::Result<()> {
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let config = sluice::config::load(path)?;
     disable_transparent_huge_pages();
+    raise_open_files_limit(config.server.max_connections);
     let workers = match config.server.workers {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -108,8 +109,7 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     .context("cannot start the runtime")?;
     runtime.block_on(async {
         let addr = config.server.listen;
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
+        let listener = sluice::server::listen(addr, config.server.listen_backlog)
             .with_context(|| format!("cannot listen on {addr}"))?;
         let admin = config.server.admin_listen;
         let server = sluice::Server::new(listener, config)?;
@@ -149,6 +149,49 @@ fn disable_transparent_huge_pages() {
     if unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) } != 0 {
         tracing::debug!(error = %std::io::Error::last_os_error(), "transparent huge pages stay on");
     }
+}
+
+/// Raises the soft limit on open files to the hard limit, as nginx's
+/// `worker_rlimit_nofile` does by hand: the usual soft limit (1,024) is used
+/// up by about a thousand slow clients, each holding a descriptor (two, with
+/// its upstream connection), and then no new client can connect.
+fn raise_open_files_limit(max_connections: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit read and write the struct given, nothing else.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+            return;
+        }
+        let soft = limit.rlim_cur;
+        if soft < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } == 0 {
+                tracing::info!(
+                    from = soft,
+                    to = limit.rlim_max,
+                    "raised the open files limit (RLIMIT_NOFILE) to its hard limit"
+                );
+            } else {
+                limit.rlim_cur = soft;
+                tracing::warn!(error = %std::io::Error::last_os_error(), limit = soft, "cannot raise the open files limit");
+            }
+        }
+        // Each client connection holds a descriptor (and, while its request
+        // is upstream, a second one); a few more are the process's own.
+        if limit.rlim_cur < (max_connections as u64).saturating_add(64) {
+            tracing::warn!(
+                open_files = limit.rlim_cur,
+                max_connections,
+                "the open files limit is below server.max_connections: past it, accepts fail until descriptors are free (raise the hard limit, e.g. LimitNOFILE in systemd)"
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = max_connections;
 }
 
 /// Completes on SIGTERM or SIGINT.

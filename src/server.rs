@@ -1,5 +1,6 @@
-//! The listener: accepts connections, serves HTTP/1.1 and HTTP/2 (prior
-//! knowledge) on the same port, and drains gracefully on shutdown.
+//! The listener: accepts connections (at most `server.max_connections` at
+//! once), serves HTTP/1.1 and HTTP/2 (prior knowledge) on the same port, and
+//! drains gracefully on shutdown.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -7,12 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
+use http_body_util::Either;
+use hyper::body::Body as _;
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 use crate::clock::Clock;
 use crate::coalesce::Coalesce;
@@ -22,6 +26,7 @@ use crate::graceful::{self, Shutdown};
 use crate::idle::{self, Idle, Tracked};
 use crate::limiter::{KeyCache, Limiter};
 use crate::proxy::{Answer, Proxy, ProxyError, RequestBody};
+use crate::stall::{Pumped, SendTimeout};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
@@ -121,26 +126,43 @@ impl Server {
             r.preload().await;
         }
         let shutdown_signal = Shutdown::new();
-        let protocols = Arc::new(Protocols::new(&proxy.state().config));
+        // The builders follow the config: a reload's `max_streams` serves the
+        // connections accepted after it.
+        let mut built_for = proxy.state();
+        let mut protocols = Arc::new(Protocols::new(&built_for.config));
         // TLS or not is fixed at start; the certificate is the current
         // config's (the start's if a reload turned TLS off).
         let boot_tls = proxy.state().tls.clone();
+        // One permit per client connection, held by its task: past
+        // `max_connections` nothing is accepted, and new connections wait in
+        // the listen backlog (as nginx's `worker_connections`).
+        let permits = Arc::new(Semaphore::new(proxy.state().config.server.max_connections));
+        let mut refused = AcceptErrors::default();
         tokio::pin!(shutdown);
         loop {
+            let permit = tokio::select! {
+                permit = permits.clone().acquire_owned() => permit,
+                _ = &mut shutdown => break,
+            };
+            // Never closed, so always a permit.
+            let Ok(permit) = permit else { break };
             tokio::select! {
                 accepted = listener.accept() => {
                     let (stream, peer) = match accepted {
                         Ok(conn) => conn,
                         Err(e) => {
-                            // Out of file descriptors and the like: wait a moment
-                            // rather than spin.
-                            tracing::warn!(error = %e, "accept failed");
-                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            refused.failed(&e).await;
                             continue;
                         }
                     };
+                    let state = proxy.state();
+                    if !Arc::ptr_eq(&state, &built_for) {
+                        protocols = Arc::new(Protocols::new(&state.config));
+                        built_for = state;
+                    }
                     let _ = stream.set_nodelay(true);
-                    let limit = proxy.state().config.server.header_timeout;
+                    let limit = built_for.config.server.header_timeout;
+                    let send_timeout = built_for.config.server.client_send_timeout;
                     let idle = Idle::new();
                     let keys = Arc::new(KeyCache::default());
                     let service = {
@@ -150,7 +172,7 @@ impl Server {
                             // here, it made hyper copy the request's future once more.
                             let (proxy, idle, keys) = (proxy.clone(), idle.clone(), keys.clone());
                             async move {
-                                let request = idle.begin();
+                                let request = idle.clone().begin();
                                 let mut req = req.map(RequestBody::Stream);
                                 // Several requests at once (HTTP/2): each its own timer.
                                 let mut answer = None;
@@ -160,6 +182,17 @@ impl Server {
                                     || ProxyError::Unanswered.response(),
                                     Answer::into_response,
                                 );
+                                // An HTTP/2 stream without window is never
+                                // written to: its body is watched apart.
+                                let h2 = req.version() == http::Version::HTTP_2;
+                                let resp = resp.map(|body| match body {
+                                    Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
+                                        let idle = idle.clone();
+                                        let ahead = crate::stall::READ_AHEAD;
+                                        Either::Right(Pumped::new(upstream, ahead, send_timeout, move || idle.close()))
+                                    }
+                                    body => Either::Left(body),
+                                });
                                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
                             }
                         })
@@ -172,21 +205,24 @@ impl Server {
                             let (proxy, conn_idle) = (proxy.clone(), idle.clone());
                             idle::spawn(async move {
                                 let mut signal = signal;
+                                let _permit = permit;
                                 let http1 = tokio::select! {
                                     http1 = starts_as_http1(&stream) => http1,
                                     // Shut down before a first byte: nothing to finish.
                                     _ = signal.changed() => return Ok(()),
                                 };
                                 if !http1 {
-                                    return protocols.serve(TokioIo::new(Coalesce(stream)), false, service, signal).await;
+                                    let io = SendTimeout::new(Coalesce(stream), send_timeout);
+                                    return protocols.serve(TokioIo::new(io), Proto::Auto, service, signal).await;
                                 }
                                 // HTTP/1: the usual requests served by sluice's own
                                 // server, the rest of the connection by hyper's.
-                                let client = front::Client { proxy: &proxy, peer, keys: &keys, idle: &conn_idle };
+                                let client = front::Client { proxy: &proxy, peer, keys: &keys, idle: &conn_idle, send_timeout };
                                 match front::serve(stream, client, &mut signal).await? {
                                     front::Served::Closed => Ok(()),
                                     front::Served::Handoff(rest) => {
-                                        protocols.serve(TokioIo::new(Coalesce(rest)), true, service, signal).await
+                                        let io = SendTimeout::new(Coalesce(rest), send_timeout);
+                                        protocols.serve(TokioIo::new(io), Proto::Http1, service, signal).await
                                     }
                                 }
                             }, idle, limit, peer);
@@ -196,6 +232,7 @@ impl Server {
                             // The handshake runs in the connection's own task, so a
                             // slow client cannot hold up accepting.
                             tokio::spawn(async move {
+                                let permit = permit;
                                 let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                                     Ok(Ok(stream)) => stream,
                                     Ok(Err(e)) => {
@@ -204,9 +241,19 @@ impl Server {
                                     }
                                     Err(_) => return,
                                 };
-                                let http1 = stream.get_ref().1.alpn_protocol() == Some(b"http/1.1");
+                                // What ALPN chose is spoken from the first byte: a
+                                // client that chose h2 and sends no valid
+                                // preface gets HTTP/2's GOAWAY, not an HTTP/1 400.
+                                let proto = match stream.get_ref().1.alpn_protocol() {
+                                    Some(b"h2") => Proto::Http2,
+                                    Some(b"http/1.1") => Proto::Http1,
+                                    // No ALPN: told apart by the first bytes.
+                                    _ => Proto::Auto,
+                                };
                                 idle::spawn(async move {
-                                    protocols.serve(TokioIo::new(stream), http1, service, signal).await
+                                    let _permit = permit;
+                                    let io = SendTimeout::new(stream, send_timeout);
+                                    protocols.serve(TokioIo::new(io), proto, service, signal).await
                                 }, idle, limit, peer);
                             });
                         }
@@ -259,10 +306,21 @@ async fn starts_as_http1(stream: &TcpStream) -> bool {
     }
 }
 
-/// The connection builders: HTTP/1 alone, and hyper-util's auto for
-/// connections whose protocol is not known yet.
+/// How a connection is served.
+#[derive(Clone, Copy)]
+enum Proto {
+    Http1,
+    /// ALPN chose h2: HTTP/2 from the first byte.
+    Http2,
+    /// Not known yet: hyper-util's auto builder reads the first bytes.
+    Auto,
+}
+
+/// The connection builders: HTTP/1 alone, HTTP/2 alone, and hyper-util's
+/// auto for connections whose protocol is not known yet.
 struct Protocols {
     http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
     auto: auto::Builder<TokioExecutor>,
 }
 
@@ -272,12 +330,18 @@ impl Protocols {
         // only needs room for a head of that size, plus slack for the request line.
         let max = config.server.max_header_bytes;
         let max_buf = (max + 16 * 1024).max(8192);
+        let streams = config.server.max_streams;
         let mut http1 = http1::Builder::new();
         http1
             .timer(TokioTimer::new())
             // server.header_timeout is kept by crate::idle, without a timer per request.
             .header_read_timeout(None::<Duration>)
             .max_buf_size(max_buf);
+        let mut http2 = http2::Builder::new(TokioExecutor::new());
+        http2
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(streams)
+            .max_header_list_size(max as u32);
         let mut auto = auto::Builder::new(TokioExecutor::new());
         auto.http1()
             .timer(TokioTimer::new())
@@ -285,41 +349,101 @@ impl Protocols {
             .max_buf_size(max_buf);
         auto.http2()
             .timer(TokioTimer::new())
+            .max_concurrent_streams(streams)
             .max_header_list_size(max as u32);
-        Protocols { http1, auto }
+        Protocols { http1, http2, auto }
     }
 
     /// Serves one client connection until it ends, or until `signal` and its
-    /// requests in flight are done: as HTTP/1 when `http1` says so, else
-    /// through the auto builder (HTTP/2, or not known yet).
+    /// requests in flight are done, speaking `proto`.
     async fn serve<I, S, B>(
         &self,
         io: I,
-        http1: bool,
+        proto: Proto,
         service: S,
         signal: tokio::sync::watch::Receiver<()>,
     ) -> Result<(), BoxError>
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-        S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
+        S: hyper::service::Service<Request<Incoming>, Response = Response<B>>
+            + Clone
+            + Send
+            + 'static,
         S::Future: Send + 'static,
         S::Error: Into<BoxError>,
         B: hyper::body::Body + Send + 'static,
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
-        if http1 {
-            let conn = self.http1.serve_connection(io, service).with_upgrades();
-            graceful::watch(conn, signal, |c| c.graceful_shutdown())
-                .await
-                .map_err(BoxError::from)
-        } else {
-            // Boxed: the auto connection is larger, and every connection's
-            // task would otherwise be sized for it.
-            let conn = self.auto.serve_connection_with_upgrades(io, service);
-            Box::pin(graceful::watch(conn, signal, |c| c.graceful_shutdown())).await
+        match proto {
+            Proto::Http1 => {
+                let conn = self.http1.serve_connection(io, service).with_upgrades();
+                graceful::watch(conn, signal, |c| c.graceful_shutdown())
+                    .await
+                    .map_err(BoxError::from)
+            }
+            Proto::Http2 => {
+                let conn = self.http2.serve_connection(io, service);
+                Box::pin(graceful::watch(conn, signal, |c| c.graceful_shutdown()))
+                    .await
+                    .map_err(BoxError::from)
+            }
+            Proto::Auto => {
+                // Boxed: the auto connection is larger, and every connection's
+                // task would otherwise be sized for it.
+                let conn = self.auto.serve_connection_with_upgrades(io, service);
+                Box::pin(graceful::watch(conn, signal, |c| c.graceful_shutdown())).await
+            }
         }
     }
+}
+
+/// Accept failures, logged without flooding the log: a process out of file
+/// descriptors fails every accept until one is closed.
+#[derive(Default)]
+struct AcceptErrors {
+    /// When the last one was logged, and how many since.
+    logged: Option<std::time::Instant>,
+    since: u64,
+}
+
+impl AcceptErrors {
+    /// Notes `e`, logs at most one line a second, and waits when waiting
+    /// helps: out of descriptors or memory, the connection stays in the
+    /// backlog and the next accept would fail at once (a busy loop). Other
+    /// errors concern one connection, which the kernel has already dropped.
+    async fn failed(&mut self, e: &std::io::Error) {
+        self.since += 1;
+        let now = std::time::Instant::now();
+        if self
+            .logged
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            tracing::warn!(error = %e, failures = self.since, "accept failed; new connections wait in the backlog");
+            self.logged = Some(now);
+            self.since = 0;
+        }
+        let exhausted = matches!(
+            e.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+        );
+        if exhausted {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// A listener on `addr` with a listen backlog of `backlog` connections
+/// (`server.listen_backlog`; the kernel caps it at `net.core.somaxconn`).
+/// tokio's own `bind` asks for 128, which a burst of connections overflows.
+pub fn listen(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(backlog.min(i32::MAX as u32) as i32)?;
+    TcpListener::from_std(socket.into())
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;

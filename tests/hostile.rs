@@ -13,6 +13,8 @@ async fn start(redis: &TestRedis, up: &Upstream) -> Sluice {
         r#"
 [server]
 trusted_proxies = ["127.0.0.1"]
+# Room for the 64 KiB value (the default is 32 KiB).
+max_header_bytes = 131072
 
 [store]
 backend = "redis"

@@ -177,3 +177,66 @@ async fn a_reload_puts_a_renewed_certificate_in_service() {
     assert!(ok(cert).await);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// HTTP/2 frames in `bytes`: (type, payload), as far as they are whole.
+fn h2_frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while bytes.len() >= at + 9 {
+        let len = u32::from_be_bytes([0, bytes[at], bytes[at + 1], bytes[at + 2]]) as usize;
+        let Some(payload) = bytes.get(at + 9..at + 9 + len) else {
+            break;
+        };
+        frames.push((bytes[at + 3], payload.to_vec()));
+        at += 9 + len;
+    }
+    frames
+}
+
+#[tokio::test]
+async fn alpn_h2_speaks_http2_from_the_first_byte() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = temp_dir("tls-h2-preface");
+    let (cert, key) = certificate(&dir);
+    let cfg = format!(
+        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
+        cert.display(),
+        key.display()
+    );
+    let s = Sluice::start(&cfg).await;
+    let mut config = sluice::tls::client_config(Some(&cert)).unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = connector.connect(name, tcp).await.unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    // As h2spec 3.5/2, not the preface; as long as it, so that the server
+    // reads all of it and closes without a reset that could lose its answer.
+    tls.write_all(b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let ended = loop {
+        let mut chunk = [0u8; 1024];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), tls.read(&mut chunk));
+        match read.await {
+            Ok(Ok(n)) if n > 0 => out.extend_from_slice(&chunk[..n]),
+            // Closed (with or without TLS's close_notify).
+            Ok(_) => break true,
+            Err(_) => break false,
+        }
+    };
+    assert!(ended, "the connection stayed open");
+    assert!(!out.starts_with(b"HTTP/1.1"), "answered as HTTP/1");
+    // HTTP/2 from the first byte: the server's SETTINGS, then at most a
+    // GOAWAY with PROTOCOL_ERROR (h2spec accepts that or the close alone).
+    let frames = h2_frames(&out);
+    assert_eq!(frames.first().map(|f| f.0), Some(0x4), "{out:?}");
+    for (kind, payload) in &frames[1..] {
+        assert_eq!(*kind, 0x7, "{out:?}");
+        assert_eq!(&payload[4..8], &[0, 0, 0, 1]);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -138,6 +138,40 @@ fn duration_value(d: &mut Diag, key: &str, value: &Spanned<String>) -> Option<Du
     }
 }
 
+/// A size: `"0"`, `"4096"`, `"512KiB"`, `"1MiB"`, `"1GiB"` (also `B`, `KB`,
+/// `MB`, `GB`); at most 4 GiB.
+fn size_value(d: &mut Diag, key: &str, value: &Spanned<String>) -> Option<usize> {
+    let text = value.get_ref().trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let unit_bytes: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => 0,
+    };
+    match number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit_bytes))
+    {
+        Some(n) if unit_bytes > 0 && n <= 4 << 30 => Some(n as usize),
+        _ => {
+            d.err(
+                &value.span(),
+                format!("{key}: '{text}' is not a size like \"1MiB\", \"512KiB\" or \"0\" (at most 4GiB)"),
+            );
+            None
+        }
+    }
+}
+
 fn positive(d: &mut Diag, key: &str, value: &Spanned<i64>) -> Option<u64> {
     if *value.get_ref() <= 0 {
         d.err(
@@ -183,9 +217,15 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         admin_listen: None,
         trusted_proxies: Vec::new(),
         upstream_timeout: Duration::from_secs(30),
-        max_header_bytes: 98_304,
+        max_header_bytes: 32 * 1024,
         shutdown_timeout: Duration::from_secs(10),
         header_timeout: Duration::from_secs(30),
+        client_body_timeout: Duration::from_secs(60),
+        client_send_timeout: Duration::from_secs(60),
+        max_connections: 16_384,
+        listen_backlog: 1024,
+        max_streams: 100,
+        max_upstream_per_client: 256,
         tls: None,
         escaped_slashes: EscapedSlashes::Reject,
         underscore_headers: UnderscoreHeaders::Drop,
@@ -235,6 +275,36 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
     if let Some(v) = &raw.header_timeout {
         s.header_timeout =
             duration_value(d, "server.header_timeout", v).unwrap_or(s.header_timeout);
+    }
+    if let Some(v) = &raw.client_body_timeout {
+        s.client_body_timeout =
+            duration_value(d, "server.client_body_timeout", v).unwrap_or(s.client_body_timeout);
+    }
+    if let Some(v) = &raw.client_send_timeout {
+        s.client_send_timeout =
+            duration_value(d, "server.client_send_timeout", v).unwrap_or(s.client_send_timeout);
+    }
+    let mut count = |key: &str, v: &Spanned<i64>, max: u64| match positive(d, key, v) {
+        Some(n) if n > max => {
+            d.err(&v.span(), format!("{key}: must be between 1 and {max}"));
+            None
+        }
+        n => n,
+    };
+    if let Some(v) = &raw.max_connections {
+        s.max_connections = count("server.max_connections", v, 10_000_000)
+            .map_or(s.max_connections, |n| n as usize);
+    }
+    if let Some(v) = &raw.listen_backlog {
+        s.listen_backlog =
+            count("server.listen_backlog", v, 65_535).map_or(s.listen_backlog, |n| n as u32);
+    }
+    if let Some(v) = &raw.max_streams {
+        s.max_streams = count("server.max_streams", v, 10_000).map_or(s.max_streams, |n| n as u32);
+    }
+    if let Some(v) = &raw.max_upstream_per_client {
+        s.max_upstream_per_client = count("server.max_upstream_per_client", v, 10_000_000)
+            .map_or(s.max_upstream_per_client, |n| n as usize);
     }
     if let Some(v) = &raw.max_header_bytes {
         match positive(d, "server.max_header_bytes", v) {
@@ -447,23 +517,16 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
         d.err(&v.span(), format!("{key}: ca: {e}"));
         return None;
     }
-    let buffer = match &r.buffer {
-        None => 1 << 20,
-        Some(v) => match size::parse(v.get_ref()) {
-            Ok(n) => n as usize,
-            Err(e) => {
-                d.err(&v.span(), format!("{key}: buffer: {e}"));
-                return None;
-            }
-        },
-    };
     Some(Upstream {
         name: Arc::from(name),
-        buffer,
         down_until: servers.iter().map(|_| Default::default()).collect(),
         servers,
         ca: ca.map(|(_, path)| path),
         pass_host: r.pass_host.unwrap_or(false),
+        buffer: match &r.buffer {
+            Some(v) => size_value(d, &format!("{key}: buffer"), v)?,
+            None => 1 << 20,
+        },
         next: Default::default(),
     })
 }

@@ -10,7 +10,6 @@
 mod compile;
 pub mod duration;
 mod raw;
-pub mod size;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -59,6 +58,18 @@ pub struct ServerConfig {
     /// A client connection with no request in flight is closed when no
     /// request head has arrived for this long.
     pub header_timeout: Duration,
+    /// A client that sends no request body bytes for this long gets 408.
+    pub client_body_timeout: Duration,
+    /// A client that accepts no response bytes for this long is cut.
+    pub client_send_timeout: Duration,
+    /// Client connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// The listen backlog asked of the kernel (start only).
+    pub listen_backlog: u32,
+    /// HTTP/2 streams at once per client connection.
+    pub max_streams: u32,
+    /// Upstream exchanges in flight at once per client address.
+    pub max_upstream_per_client: usize,
     pub tls: Option<TlsFiles>,
     /// What an encoded slash or backslash in a path gets (see `router::normalize`).
     pub escaped_slashes: EscapedSlashes,
@@ -147,7 +158,8 @@ pub struct Upstream {
     pub ca: Option<PathBuf>,
     /// Send the client's `Host` upstream instead of the server's own authority.
     pub pass_host: bool,
-    /// How far an answer is read ahead of a slow client, in bytes (0: not).
+    /// Response bytes read ahead of a slow client (0: streamed as the
+    /// client takes them).
     pub buffer: usize,
     /// Round-robin position: runtime state, but one counter per upstream is all
     /// balancing needs, and it lives and dies with this config.

@@ -36,6 +36,12 @@ pub struct RawServer {
     pub max_header_bytes: Option<Spanned<i64>>,
     pub shutdown_timeout: Option<Spanned<String>>,
     pub header_timeout: Option<Spanned<String>>,
+    pub client_body_timeout: Option<Spanned<String>>,
+    pub client_send_timeout: Option<Spanned<String>>,
+    pub max_connections: Option<Spanned<i64>>,
+    pub listen_backlog: Option<Spanned<i64>>,
+    pub max_streams: Option<Spanned<i64>>,
+    pub max_upstream_per_client: Option<Spanned<i64>>,
     pub tls: Option<Spanned<RawTls>>,
     pub escaped_slashes: Option<Spanned<String>>,
     pub underscore_headers: Option<Spanned<String>>,
@@ -76,7 +82,7 @@ pub struct RawUpstream {
     pub urls: Option<Vec<Spanned<String>>>,
     pub ca: Option<Spanned<String>>,
     pub pass_host: Option<bool>,
-    pub buffer: Option<Spanned<toml::Value>>,
+    pub buffer: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

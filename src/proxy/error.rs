@@ -27,6 +27,12 @@ pub enum ProxyError {
     UpstreamUnreachable,
     #[error("the upstream did not answer within {0} ms")]
     UpstreamTimeout(u128),
+    /// `server.max_upstream_per_client` exchanges of this client in flight.
+    #[error("this client has {0} requests upstream already; retry when one has ended")]
+    ClientBusy(usize),
+    /// `server.client_body_timeout`: the client sent no body bytes that long.
+    #[error("the request body did not arrive: no bytes for {0} ms")]
+    BodyTimeout(u128),
     /// A request that ended without an answer: a defect in sluice, never
     /// expected (see `Proxy::handle`).
     #[error("the request ended without an answer")]
@@ -43,6 +49,8 @@ impl ProxyError {
             ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::ClientBusy(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Unanswered => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -52,7 +60,9 @@ impl ProxyError {
     pub fn is_upstream_failure(&self) -> bool {
         matches!(
             self,
-            ProxyError::UpstreamUnreachable | ProxyError::UpstreamTimeout(_)
+            ProxyError::UpstreamUnreachable
+                | ProxyError::UpstreamTimeout(_)
+                | ProxyError::ClientBusy(_)
         )
     }
 
@@ -78,11 +88,12 @@ impl ProxyError {
             ProxyError::Limited { retry_after } => {
                 headers.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
             }
-            ProxyError::StoreUnavailable => {
+            ProxyError::StoreUnavailable | ProxyError::ClientBusy(_) => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
             }
-            // After a malformed request the connection's framing cannot be trusted.
-            ProxyError::BadRequest(_) => {
+            // After a malformed request the connection's framing cannot be
+            // trusted; after a stalled body, the rest of it may still come.
+            ProxyError::BadRequest(_) | ProxyError::BodyTimeout(_) => {
                 headers.insert(CONNECTION, HeaderValue::from_static("close"));
             }
             _ => {}

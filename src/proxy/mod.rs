@@ -20,10 +20,10 @@
 mod error;
 mod forward;
 mod h1;
+mod per_client;
 pub(crate) mod plain_head;
 mod pool;
 mod ratelimit_headers;
-mod read_ahead;
 
 use std::future::{Future, poll_fn};
 use std::net::SocketAddr;
@@ -157,6 +157,8 @@ pub struct Proxy {
     https: bool,
     /// What was set up at start and only a restart changes.
     boot: Boot,
+    /// Upstream exchanges in flight per client address.
+    per_client: Arc<per_client::PerClient>,
 }
 
 /// The settings a reload cannot change.
@@ -235,7 +237,14 @@ impl Proxy {
             client: UpstreamClient::new(None)?,
             metrics,
             https,
+            per_client: Arc::default(),
         })
+    }
+
+    /// The upstream exchanges `client` has in flight
+    /// (`server.max_upstream_per_client`).
+    pub fn upstream_in_flight(&self, client: std::net::IpAddr) -> usize {
+        self.per_client.count(client)
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -251,8 +260,9 @@ impl Proxy {
     ///
     /// The store, the listeners and the worker count were set up at start: a
     /// change to `[store]`, `listen`, `admin_listen`, `workers`, turning
-    /// `tls` on or off, or `max_header_bytes` is logged and waits for a
-    /// restart. (`tls`'s files are read again: a renewed certificate serves new
+    /// `tls` on or off, `max_connections` or `listen_backlog` is logged and
+    /// waits for a restart (`max_header_bytes` and `max_streams` apply to
+    /// connections accepted after the reload). (`tls`'s files are read again: a renewed certificate serves new
     /// connections.) Counters live in the store, so they survive.
     pub fn replace(&self, config: Config) -> Result<(), TlsError> {
         let state = State::new(config, &self.metrics)?;
@@ -279,8 +289,11 @@ impl Proxy {
         if was.server.workers != now.server.workers {
             later.push("server.workers");
         }
-        if was.server.max_header_bytes != now.server.max_header_bytes {
-            later.push("server.max_header_bytes (hyper's read buffer)");
+        if was.server.max_connections != now.server.max_connections {
+            later.push("server.max_connections");
+        }
+        if was.server.listen_backlog != now.server.listen_backlog {
+            later.push("server.listen_backlog");
         }
         if !later.is_empty() {
             tracing::warn!(changed = %later.join(", "), "these settings take effect after a restart; the rest is in force");
@@ -617,6 +630,18 @@ impl Proxy {
             }
             Target::Upstream(upstream) => upstream,
         };
+        // A slot of the client's, held until the answer's body is done with.
+        let server_config = &state.config.server;
+        let client_ip = identity::client_ip(
+            peer.ip(),
+            fields(req, ctx.head),
+            &server_config.trusted_proxies,
+        );
+        let max = server_config.max_upstream_per_client;
+        let slot = self
+            .per_client
+            .take(client_ip, max)
+            .ok_or(ProxyError::ClientBusy(max))?;
         let index = forward::pick(upstream);
         let server = &upstream.servers[index];
         // An Upgrade the route allows (WebSocket...) is passed through: both
@@ -655,7 +680,7 @@ impl Proxy {
                     .ok_or(ProxyError::BadRequest("invalid header field"))?;
             }
             let req = std::mem::replace(req, Request::new(RequestBody::Empty));
-            let req = forward::rewrite_request(
+            let mut req = forward::rewrite_request(
                 req,
                 upstream,
                 server,
@@ -665,11 +690,31 @@ impl Proxy {
                 upgrade.as_ref(),
             )
             .map_err(ProxyError::BadRequest)?;
+            let uploaded = req.body_mut().watch(server_config.client_body_timeout);
             // Boxed: hyper's exchange has a large state, which would size
             // every request's future.
-            let exchange = Box::pin(client.request(server, req));
+            let mut exchange = Box::pin(client.request(server, req));
+            // `upstream_timeout` counts from the end of the upload: a slow
+            // but steady client is not the upstream's fault. (An upstream
+            // may answer before it has the whole body.)
+            let early = match uploaded {
+                Some((uploaded, progress)) => {
+                    let up = (&mut exchange, uploaded, &*progress);
+                    match upload(up, timeout).await {
+                        Upload::Answered(out) => Some(out),
+                        Upload::Sent => None,
+                        Upload::Stalled => {
+                            return Err(ProxyError::UpstreamTimeout(timeout.as_millis()));
+                        }
+                    }
+                }
+                None => None,
+            };
             sent = tokio::time::Instant::now();
-            within(sent + timeout, ctx.timer.take(), exchange).await
+            match early {
+                Some(out) => Some(out),
+                None => within(sent + timeout, ctx.timer.take(), exchange).await,
+            }
         };
         let took = sent.elapsed();
         ctx.upstream_time = Some(took);
@@ -678,6 +723,10 @@ impl Proxy {
         }
         let mut resp = match result {
             None => return Err(ProxyError::UpstreamTimeout(timeout.as_millis())),
+            Some(Err(UpstreamError::Http(e))) if pool::is_body_stalled(&e) => {
+                let limit = server_config.client_body_timeout;
+                return Err(ProxyError::BodyTimeout(limit.as_millis()));
+            }
             Some(Err(UpstreamError::Http(e))) if client_body_failed(&e) => {
                 return Err(ProxyError::BadRequest(
                     "the request body was malformed or cut off",
@@ -690,7 +739,10 @@ impl Proxy {
                 tracing::warn!(upstream = %upstream.name, server = %server, error = %error_chain(&e), "upstream request failed");
                 return Err(ProxyError::UpstreamUnreachable);
             }
-            Some(Ok(resp)) => resp,
+            Some(Ok(mut resp)) => {
+                resp.body_mut().hold(slot);
+                resp
+            }
         };
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS && client_side.is_none() {
             // A switch nobody asked for (RFC 9110 15.2.2): what follows is
@@ -728,7 +780,45 @@ impl Proxy {
             return Ok(resp.map(Either::Left));
         }
         forward::strip_hop_by_hop(resp.headers_mut());
-        Ok(resp.map(|body| Either::Left(body.read_ahead(upstream.buffer))))
+        // Read ahead of a slow client, up to the upstream's `buffer`.
+        let send_timeout = server_config.client_send_timeout;
+        Ok(resp.map(|body| Either::Left(body.read_ahead(upstream.buffer, send_timeout))))
+    }
+}
+
+/// How the upload of a request body ended (see [`upload`]).
+enum Upload<T> {
+    /// The upstream answered before it had the whole body.
+    Answered(T),
+    /// All of it was handed to the upstream connection.
+    Sent,
+    /// The upstream took nothing for `upstream_timeout` while the client
+    /// had sent all it was asked for.
+    Stalled,
+}
+
+/// Waits while a request body goes upstream: `upstream_timeout` does not
+/// run then (the client's pace is not the upstream's fault), but an
+/// upstream that stops taking the body is given that long.
+async fn upload<F: Future + Unpin>(
+    (exchange, mut sent, progress): (F, tokio::sync::oneshot::Receiver<()>, &pool::Progress),
+    timeout: Duration,
+) -> Upload<F::Output> {
+    let mut exchange = exchange;
+    let check = tokio::time::sleep(timeout);
+    tokio::pin!(check);
+    loop {
+        tokio::select! {
+            out = &mut exchange => return Upload::Answered(out),
+            _ = &mut sent => return Upload::Sent,
+            _ = &mut check => {
+                let stalled = progress.upstream_stalled_for();
+                if stalled >= timeout {
+                    return Upload::Stalled;
+                }
+                check.as_mut().reset(tokio::time::Instant::now() + (timeout - stalled));
+            }
+        }
     }
 }
 

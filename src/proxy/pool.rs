@@ -44,7 +44,8 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use super::{h1, read_ahead};
+use super::h1;
+use super::per_client::Slot;
 use crate::coalesce::Coalesce;
 use crate::config::UpstreamServer;
 use crate::tls::TlsError;
@@ -385,7 +386,14 @@ impl UpstreamClient {
 /// Boxed: a response is moved about twenty times on its way to the client,
 /// and the connection it holds would make each move a copy of some 170
 /// bytes; one allocation is cheaper.
-pub struct PooledBody(Box<Read>);
+pub struct PooledBody(Box<Held>);
+
+/// What the body holds: its reader, and its client's slot (see
+/// [`super::per_client`]), given back when the body is dropped.
+struct Held {
+    read: Read,
+    slot: Option<Slot>,
+}
 
 type Back<C> = (C, Arc<Pools>, Origin);
 
@@ -399,38 +407,61 @@ enum Read {
         /// The connection, while the body is being read from it.
         back: Option<Back<h1::Conn>>,
     },
-    /// Read by a task of its own, ahead of the client (see [`read_ahead`]).
+    /// Read ahead of the client by a task (see [`PooledBody::read_ahead`]).
     Ahead {
-        body: read_ahead::Ahead,
+        pumped: crate::stall::Pumped,
         fields: Option<Box<h1::Fields>>,
     },
 }
+
+/// Answers of known length up to this size are not read ahead: the
+/// sockets' buffers on both sides hold them, so the upstream is done with
+/// them anyway, and a task per answer would cost the usual small one.
+const SMALL: u64 = 64 * 1024;
 
 impl PooledBody {
     /// The answer's fields as the own client read them (see [`h1::Fields`]);
     /// `None` when they are in the answer's map.
     pub fn take_fields(&mut self) -> Option<Box<h1::Fields>> {
-        match &mut *self.0 {
+        match &mut self.0.read {
             Read::Own { reader, .. } => reader.take_fields(),
-            Read::Ahead { fields, .. } => fields.take(),
             Read::Hyper { .. } => None,
+            Read::Ahead { fields, .. } => fields.take(),
         }
     }
 
-    /// This body, read ahead of its client up to `buffer` bytes when it is
-    /// large or of unknown size (see [`read_ahead`]).
-    pub fn read_ahead(mut self, buffer: usize) -> PooledBody {
-        if !read_ahead::worth_it(&self, buffer) {
+    /// Reads the rest of the answer up to `bytes` ahead of the client (the
+    /// upstream's `buffer`), so that a slow client does not hold the upstream
+    /// (a backend worker, its connection) longer than the answer takes to
+    /// arrive; a client that takes nothing for `send_timeout` from a full
+    /// buffer ends it. `0`: streamed as the client takes it.
+    pub fn read_ahead(mut self, bytes: usize, send_timeout: Duration) -> PooledBody {
+        if bytes == 0
+            || self.is_end_stream()
+            || self.size_hint().exact().is_some_and(|n| n <= SMALL)
+        {
             return self;
         }
         let fields = self.take_fields();
-        let body = read_ahead::spawn(self, buffer);
-        PooledBody(Box::new(Read::Ahead { body, fields }))
+        let slot = self.0.slot.take();
+        let pumped = crate::stall::Pumped::new(self, bytes, send_timeout, || {});
+        PooledBody(Box::new(Held {
+            read: Read::Ahead { pumped, fields },
+            slot,
+        }))
+    }
+
+    /// Keeps the client's slot until the body is done with.
+    pub fn hold(&mut self, slot: Slot) {
+        self.0.slot = Some(slot);
     }
 
     fn hyper(inner: Incoming, back: Option<Back<SendRequest<RequestBody>>>) -> PooledBody {
         let end = inner.is_end_stream();
-        let mut body = PooledBody(Box::new(Read::Hyper { inner, back }));
+        let mut body = PooledBody(Box::new(Held {
+            read: Read::Hyper { inner, back },
+            slot: None,
+        }));
         // An empty body (a 204, a HEAD) may never be polled.
         if end {
             body.give_back();
@@ -444,9 +475,12 @@ impl PooledBody {
         (pools, origin): (Arc<Pools>, Origin),
     ) -> PooledBody {
         let end = reader.is_end();
-        let mut body = PooledBody(Box::new(Read::Own {
-            reader,
-            back: Some((conn, pools, origin)),
+        let mut body = PooledBody(Box::new(Held {
+            read: Read::Own {
+                reader,
+                back: Some((conn, pools, origin)),
+            },
+            slot: None,
         }));
         if end {
             body.give_back();
@@ -455,7 +489,7 @@ impl PooledBody {
     }
 
     fn give_back(&mut self) {
-        match &mut *self.0 {
+        match &mut self.0.read {
             Read::Hyper { back, .. } => {
                 if let Some((sender, pools, origin)) = back.take() {
                     pools.hyper.give_back(origin, sender);
@@ -468,7 +502,7 @@ impl PooledBody {
                     pools.own.give_back(origin, conn);
                 }
             }
-            // Its pump's body gives its connection back.
+            // The task gives its body's connection back.
             Read::Ahead { .. } => {}
         }
     }
@@ -483,7 +517,7 @@ impl Body for PooledBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        let (frame, end) = match &mut *this.0 {
+        let (frame, end) = match &mut this.0.read {
             Read::Hyper { inner, back } => {
                 let frame = ready!(Pin::new(&mut *inner).poll_frame(cx));
                 let end = ends(&frame, inner.is_end_stream(), back);
@@ -497,7 +531,7 @@ impl Body for PooledBody {
                 let end = ends(&frame, reader.is_end(), back);
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
-            Read::Ahead { body, .. } => return Pin::new(body).poll_frame(cx),
+            Read::Ahead { pumped, .. } => return Pin::new(pumped).poll_frame(cx),
         };
         if end {
             this.give_back();
@@ -506,18 +540,18 @@ impl Body for PooledBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &*self.0 {
+        match &self.0.read {
             Read::Hyper { inner, .. } => inner.is_end_stream(),
             Read::Own { reader, back } => back.is_none() || reader.is_end(),
-            Read::Ahead { body, .. } => body.is_end_stream(),
+            Read::Ahead { pumped, .. } => pumped.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &*self.0 {
+        match &self.0.read {
             Read::Hyper { inner, .. } => inner.size_hint(),
             Read::Own { reader, .. } => reader.size_hint(),
-            Read::Ahead { body, .. } => body.size_hint(),
+            Read::Ahead { pumped, .. } => pumped.size_hint(),
         }
     }
 }
@@ -552,19 +586,155 @@ fn bare_host(server: &UpstreamServer) -> &str {
 /// or one sent once more, see [`replayable`]).
 pub enum RequestBody {
     Stream(Incoming),
+    /// The client's, on its way upstream (see [`RequestBody::watch`]).
+    Uploading(Box<Uploading>),
     Empty,
 }
 
+/// A request body being sent upstream: it fails once the client has sent
+/// nothing for `server.client_body_timeout`, and says when it has all gone.
+pub struct Uploading {
+    inner: Incoming,
+    limit: Duration,
+    /// Made the first time the client keeps the body waiting; armed while it does.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+    /// Told when the whole body has been handed to the upstream connection.
+    sent: Option<tokio::sync::oneshot::Sender<()>>,
+    progress: Arc<Progress>,
+}
+
+/// How an upload is going, for the wait on the upstream meanwhile.
+#[derive(Default)]
+pub struct Progress {
+    /// When the upstream connection last asked for more ([`crate::clock::coarse_ms`]).
+    asked_ms: std::sync::atomic::AtomicU64,
+    /// Whether that ask is waiting for the client.
+    waiting_for_client: std::sync::atomic::AtomicBool,
+}
+
+impl Progress {
+    /// How long the upstream has taken nothing while the client had given
+    /// all it was asked for (nginx's `proxy_send_timeout`).
+    pub fn upstream_stalled_for(&self) -> Duration {
+        use std::sync::atomic::Ordering;
+        if self.waiting_for_client.load(Ordering::Acquire) {
+            return Duration::ZERO;
+        }
+        let asked = self.asked_ms.load(Ordering::Acquire);
+        Duration::from_millis(crate::clock::coarse_ms().saturating_sub(asked))
+    }
+}
+
+/// The client sent no request body bytes for `server.client_body_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("no request body bytes for server.client_body_timeout")]
+pub struct BodyStalled;
+
+impl RequestBody {
+    /// Watches a body still to come from the client: it fails after `limit`
+    /// without a byte from the client (a timer that runs only while the
+    /// upstream waits for the client, not the other way round), and the
+    /// receiver learns when all of it has been sent. `None`: no body to wait for.
+    pub fn watch(
+        &mut self,
+        limit: Duration,
+    ) -> Option<(tokio::sync::oneshot::Receiver<()>, Arc<Progress>)> {
+        if self.is_end_stream() {
+            return None;
+        }
+        let RequestBody::Stream(_) = self else {
+            return None;
+        };
+        let RequestBody::Stream(inner) = std::mem::replace(self, RequestBody::Empty) else {
+            return None;
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let progress = Arc::new(Progress {
+            asked_ms: crate::clock::coarse_ms().into(),
+            waiting_for_client: false.into(),
+        });
+        *self = RequestBody::Uploading(Box::new(Uploading {
+            inner,
+            limit,
+            timer: None,
+            armed: false,
+            sent: Some(tx),
+            progress: progress.clone(),
+        }));
+        Some((rx, progress))
+    }
+}
+
+impl Uploading {
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        use std::sync::atomic::Ordering;
+        let poll = Pin::new(&mut self.inner)
+            .poll_frame(cx)
+            .map_err(BoxError::from);
+        self.progress
+            .asked_ms
+            .store(crate::clock::coarse_ms(), Ordering::Release);
+        self.progress
+            .waiting_for_client
+            .store(poll.is_pending(), Ordering::Release);
+        match &poll {
+            Poll::Ready(frame) => {
+                self.armed = false;
+                let over = match frame {
+                    None | Some(Err(_)) => true,
+                    Some(Ok(_)) => self.inner.is_end_stream(),
+                };
+                if over && let Some(sent) = self.sent.take() {
+                    let _ = sent.send(());
+                }
+                poll
+            }
+            Poll::Pending => {
+                let deadline = tokio::time::Instant::now() + self.limit;
+                let timer = self
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if !self.armed {
+                    timer.as_mut().reset(deadline);
+                    self.armed = true;
+                }
+                match timer.as_mut().poll(cx) {
+                    // hyper's client reports it as a user error whose
+                    // source this is (see `is_body_stalled`).
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled)))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+}
+
+/// Whether `e` (from hyper's client) is a request body that stalled.
+pub fn is_body_stalled(e: &hyper::Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if c.is::<BodyStalled>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 impl Body for RequestBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            RequestBody::Stream(body) => Pin::new(body).poll_frame(cx),
+            RequestBody::Stream(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            RequestBody::Uploading(body) => body.poll_frame(cx),
             RequestBody::Empty => Poll::Ready(None),
         }
     }
@@ -572,6 +742,7 @@ impl Body for RequestBody {
     fn is_end_stream(&self) -> bool {
         match self {
             RequestBody::Stream(body) => body.is_end_stream(),
+            RequestBody::Uploading(body) => body.inner.is_end_stream(),
             RequestBody::Empty => true,
         }
     }
@@ -579,6 +750,7 @@ impl Body for RequestBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             RequestBody::Stream(body) => body.size_hint(),
+            RequestBody::Uploading(body) => body.inner.size_hint(),
             RequestBody::Empty => SizeHint::with_exact(0),
         }
     }

@@ -1,0 +1,269 @@
+//! Clients that stop reading: cut after `server.client_send_timeout`.
+//!
+//! A client that accepts no response bytes holds its connection, and the
+//! upstream exchange whose answer it does not take. Two watchdogs end that
+//! (as nginx's `send_timeout`, which counts between two successive writes):
+//!
+//! - [`SendTimeout`] wraps a client connection: a write that can make no
+//!   progress for the timeout fails, which ends the connection, and with it
+//!   the response body and its upstream exchange (an upstream connection
+//!   left mid-answer is closed, never pooled). It covers sluice's own
+//!   HTTP/1.1 server, hyper's HTTP/1 and an HTTP/2 connection whose socket is
+//!   full. The timer is armed only once a write has to wait, so a client
+//!   that reads costs nothing.
+//! - [`Pumped`] covers an HTTP/2 stream whose client never opens its
+//!   flow-control window: the connection's socket is fine, but hyper does
+//!   not poll the body of a stream without window, so no write ever waits. A
+//!   task reads the body ahead of the client into a queue of up to
+//!   [`READ_AHEAD`] bytes; when the client has taken nothing from a full
+//!   queue for the timeout, the task drops the body (ending the upstream
+//!   exchange) and the connection is closed, as a stalled HTTP/1 one is: its
+//!   other streams' queues, and what hyper holds for them, go with it.
+
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::{Instant, Sleep};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a response was cut.
+#[derive(Debug, thiserror::Error)]
+#[error("the client accepted no response bytes for server.client_send_timeout ({0:?})")]
+pub struct Stalled(pub Duration);
+
+/// A client connection whose writes fail once they make no progress for
+/// `limit` (see the module's doc).
+#[derive(Debug)]
+pub struct SendTimeout<T> {
+    io: T,
+    limit: Duration,
+    /// Made the first time a write waits; armed while writes wait.
+    timer: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+}
+
+impl<T> SendTimeout<T> {
+    pub fn new(io: T, limit: Duration) -> SendTimeout<T> {
+        SendTimeout {
+            io,
+            limit,
+            timer: None,
+            armed: false,
+        }
+    }
+
+    pub fn get_mut(&mut self) -> &mut T {
+        &mut self.io
+    }
+
+    /// What a write that returned `poll` means: progress disarms the timer;
+    /// waiting arms it (once) and fails when it fires.
+    fn watch<R>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
+        if poll.is_ready() {
+            self.armed = false;
+            return poll;
+        }
+        let deadline = Instant::now() + self.limit;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.armed {
+            timer.as_mut().reset(deadline);
+            self.armed = true;
+        }
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                Stalled(self.limit),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for SendTimeout<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for SendTimeout<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.watch(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.watch(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.io).poll_flush(cx);
+        self.watch(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Response body bytes read ahead of an HTTP/2 client, at most, by its
+/// watchdog (beyond the upstream's `buffer`).
+pub const READ_AHEAD: usize = 64 * 1024;
+
+/// What the reading task hands over: a frame and the queue room it takes.
+type Item = Result<(Frame<Bytes>, OwnedSemaphorePermit), BoxError>;
+
+/// A response body read by a task of its own (see the module's doc).
+pub struct Pumped {
+    rx: mpsc::UnboundedReceiver<Item>,
+    hint: SizeHint,
+    done: bool,
+}
+
+impl Pumped {
+    /// Starts reading `body` ahead of the client, at most `room` bytes,
+    /// which the client has `limit` to take; `cut` runs if it does not (for
+    /// HTTP/2 it closes the connection: the queue, and what hyper holds for
+    /// the stream, go with it).
+    pub fn new<B>(
+        body: B,
+        room: usize,
+        limit: Duration,
+        cut: impl FnOnce() + Send + 'static,
+    ) -> Pumped
+    where
+        B: Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<BoxError> + Send,
+    {
+        let hint = body.size_hint();
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(pump(body, tx, room.max(1), limit, cut));
+        Pumped {
+            rx,
+            hint,
+            done: false,
+        }
+    }
+}
+
+/// Reads `body` into `tx` while the queue has room; ends the body when the
+/// client has left (`tx` closed) or taken nothing for `limit`.
+async fn pump<B>(
+    mut body: B,
+    tx: mpsc::UnboundedSender<Item>,
+    room: usize,
+    limit: Duration,
+    cut: impl FnOnce(),
+) where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    use http_body_util::BodyExt;
+    let room = room.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
+    let most = room as u32;
+    let room = Arc::new(Semaphore::new(room));
+    loop {
+        let frame = tokio::select! {
+            frame = body.frame() => frame,
+            // The client is gone: the body is dropped now, not at its end.
+            _ = tx.closed() => return,
+        };
+        let frame = match frame {
+            None => return,
+            Some(Err(e)) => {
+                let _ = tx.send(Err(e.into()));
+                return;
+            }
+            Some(Ok(frame)) => frame,
+        };
+        // A frame larger than the room waits for all of it.
+        let size = frame.data_ref().map_or(0, |d| d.len()).min(most as usize) as u32;
+        let permit = match room.clone().try_acquire_many_owned(size) {
+            Ok(permit) => permit,
+            Err(_) => {
+                let waited = tokio::select! {
+                    permit = tokio::time::timeout(limit, room.clone().acquire_many_owned(size)) => permit,
+                    _ = tx.closed() => return,
+                };
+                match waited {
+                    Ok(Ok(permit)) => permit,
+                    // Never closed.
+                    Ok(Err(_)) => return,
+                    Err(_) => {
+                        // The body (and its upstream exchange) ends here.
+                        tracing::debug!(limit = ?limit, "cut a client that did not read its response");
+                        drop(body);
+                        let _ = tx.send(Err(Stalled(limit).into()));
+                        cut();
+                        return;
+                    }
+                }
+            }
+        };
+        if tx.send(Ok((frame, permit))).is_err() {
+            return;
+        }
+    }
+}
+
+impl Body for Pumped {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Pending => Poll::Pending,
+            // Its permit drops here: the room is the task's again.
+            Poll::Ready(Some(Ok((frame, _room)))) => Poll::Ready(Some(Ok(frame))),
+            Poll::Ready(Some(Err(e))) => {
+                self.done = true;
+                Poll::Ready(Some(Err(e)))
+            }
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.hint
+    }
+}

@@ -1,0 +1,375 @@
+//! Many and slow clients: `max_connections`, `max_streams`, and what happens
+//! to clients that stop reading or sending.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const RESPOND: &str = "[[routes]]\npath = \"/\"\nrespond = { status = 200, body = \"hi\" }\n";
+
+/// HTTP/2 frames in `bytes`: (type, payload), as far as they are whole.
+fn h2_frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while bytes.len() >= at + 9 {
+        let len = u32::from_be_bytes([0, bytes[at], bytes[at + 1], bytes[at + 2]]) as usize;
+        let Some(payload) = bytes.get(at + 9..at + 9 + len) else {
+            break;
+        };
+        frames.push((bytes[at + 3], payload.to_vec()));
+        at += 9 + len;
+    }
+    frames
+}
+
+#[tokio::test]
+async fn max_streams_is_announced_in_http2_settings() {
+    let s = Sluice::start(&format!("[server]\nmax_streams = 7\n{RESPOND}")).await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let settings = loop {
+        let mut chunk = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before its SETTINGS");
+        got.extend_from_slice(&chunk[..n]);
+        if let Some((_, p)) = h2_frames(&got).into_iter().find(|(t, _)| *t == 0x4) {
+            break p;
+        }
+    };
+    // SETTINGS_MAX_CONCURRENT_STREAMS is parameter 3.
+    let max = settings
+        .chunks(6)
+        .find(|p| p[..2] == [0, 3])
+        .map(|p| u32::from_be_bytes([p[2], p[3], p[4], p[5]]));
+    assert_eq!(max, Some(7));
+}
+
+/// Sends one request on `c` and reads its answer's head.
+async fn ask(c: &mut TcpStream) -> Option<String> {
+    c.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .ok()?;
+    read_head(c).await
+}
+
+#[tokio::test]
+async fn past_max_connections_new_clients_wait_in_the_backlog() {
+    let s = Sluice::start(&format!("[server]\nmax_connections = 2\n{RESPOND}")).await;
+    let mut first = TcpStream::connect(s.addr).await.unwrap();
+    let mut second = TcpStream::connect(s.addr).await.unwrap();
+    assert!(ask(&mut first).await.unwrap().starts_with("HTTP/1.1 200"));
+    assert!(ask(&mut second).await.unwrap().starts_with("HTTP/1.1 200"));
+    // The kernel completes the third connection; sluice does not take it.
+    let mut third = TcpStream::connect(s.addr).await.unwrap();
+    third
+        .write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    let waited = tokio::time::timeout(Duration::from_millis(300), third.read(&mut byte)).await;
+    assert!(waited.is_err(), "the third connection was served at once");
+    // Both kept connections still work meanwhile.
+    assert!(ask(&mut first).await.unwrap().starts_with("HTTP/1.1 200"));
+    // One of them closes: the third is taken from the backlog and served.
+    drop(second);
+    let head = tokio::time::timeout(Duration::from_secs(5), read_head(&mut third))
+        .await
+        .expect("served once a connection closed")
+        .unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}
+
+/// An upstream that answers every request with an endless body (a 1 GiB
+/// `Content-Length`, written as fast as it is taken); the flag turns true
+/// once sluice has closed such an exchange.
+async fn endless_upstream() -> (String, Arc<AtomicBool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let flag = flag.clone();
+            tokio::spawn(async move {
+                if read_head(&mut conn).await.is_none() {
+                    return;
+                }
+                let head = b"HTTP/1.1 200 OK\r\ncontent-length: 1073741824\r\n\r\n";
+                if conn.write_all(head).await.is_err() {
+                    return;
+                }
+                let chunk = vec![0u8; 64 * 1024];
+                while conn.write_all(&chunk).await.is_ok() {}
+                flag.store(true, Ordering::SeqCst);
+            });
+        }
+    });
+    (url, closed)
+}
+
+/// A client connection that takes in little at a time, and here nothing.
+async fn stalled_client(addr: std::net::SocketAddr, request: &[u8]) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut c = socket.connect(addr).await.unwrap();
+    c.write_all(request).await.unwrap();
+    c
+}
+
+/// Reads what `c` still delivers: how many bytes, until it ends.
+async fn drain(mut c: TcpStream) -> u64 {
+    let mut n = 0;
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return n,
+            Ok(Ok(k)) => n += k as u64,
+            Err(_) => panic!("the connection stayed open after the cut"),
+        }
+    }
+}
+
+fn send_timeout_config(upstream: &str) -> String {
+    format!(
+        "[server]\nclient_send_timeout = \"300ms\"\n\
+         [upstreams.u]\nurl = \"{upstream}\"\n[[routes]]\npath = \"/\"\nupstream = \"u\"\n"
+    )
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_read_is_cut_with_its_upstream_exchange() {
+    let (upstream, closed) = endless_upstream().await;
+    let s = Sluice::start(&send_timeout_config(&upstream)).await;
+    // sluice's own server (no body), then hyper's (a body).
+    for request in [
+        &b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n"[..],
+        b"POST /big HTTP/1.1\r\nhost: a\r\ncontent-length: 1\r\n\r\nx",
+    ] {
+        closed.store(false, Ordering::SeqCst);
+        let c = stalled_client(s.addr, request).await;
+        wait_until(|| closed.load(Ordering::SeqCst)).await;
+        let got = drain(c).await;
+        assert!(got < 1 << 30, "{got} bytes");
+    }
+}
+
+#[tokio::test]
+async fn an_http2_stream_whose_window_stays_shut_is_cut() {
+    let (upstream, closed) = endless_upstream().await;
+    let s = Sluice::start(&send_timeout_config(&upstream)).await;
+    let tcp = TcpStream::connect(s.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let ended = Arc::new(AtomicBool::new(false));
+    let flag = ended.clone();
+    tokio::spawn(async move {
+        let _ = conn.await;
+        flag.store(true, Ordering::SeqCst);
+    });
+    let req = http::Request::get(format!("http://{}/big", s.addr))
+        .body(empty())
+        .unwrap();
+    // The answer's head comes; its body is never read, so the stream's
+    // window is never opened again.
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), http::StatusCode::OK);
+    wait_until(|| closed.load(Ordering::SeqCst)).await;
+    wait_until(|| ended.load(Ordering::SeqCst)).await;
+    drop(resp);
+}
+
+#[tokio::test]
+async fn a_client_holds_at_most_max_upstream_per_client_exchanges() {
+    let (endless, _) = endless_upstream().await;
+    let up = Upstream::start().await;
+    let s = Sluice::start(&format!(
+        "[server]\nmax_upstream_per_client = 2\n\
+         [upstreams.endless]\nurl = \"{endless}\"\n[upstreams.api]\nurl = \"{}\"\n\
+         [[routes]]\npath = \"/big\"\nupstream = \"endless\"\n\
+         [[routes]]\npath = \"/\"\nupstream = \"api\"\n",
+        up.url()
+    ))
+    .await;
+    let me: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let request = b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n";
+    let first = stalled_client(s.addr, request).await;
+    let _second = stalled_client(s.addr, request).await;
+    wait_until(|| s.proxy.upstream_in_flight(me) == 2).await;
+    let busy = get(&s.url("/echo"), &[]).await;
+    assert_eq!(busy.status, http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(busy.header("retry-after"), Some("1"));
+    assert_eq!(up.hits(), 0);
+    // One exchange ends with its client: the next request goes through.
+    drop(first);
+    wait_until(|| s.proxy.upstream_in_flight(me) == 1).await;
+    assert_eq!(get(&s.url("/echo"), &[]).await.status, http::StatusCode::OK);
+    // Its slot was given back once its answer was sent.
+    wait_until(|| s.proxy.upstream_in_flight(me) == 1).await;
+}
+
+#[tokio::test]
+async fn upstream_timeout_counts_from_the_end_of_a_slow_steady_upload() {
+    let up = Upstream::start().await;
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"300ms\"\nclient_body_timeout = \"2s\"\n{}",
+        proxy_to(&up.url())
+    ))
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n")
+        .await
+        .unwrap();
+    // A byte every 100 ms, for longer than upstream_timeout.
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    for _ in 0..8 {
+        tick.tick().await;
+        c.write_all(b"1\r\nx\r\n").await.unwrap();
+    }
+    c.write_all(b"0\r\n\r\n").await.unwrap();
+    let head = tokio::time::timeout(Duration::from_secs(5), read_head(&mut c))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.ends_with("\r\n\r\n8"), "{head}");
+}
+
+#[tokio::test]
+async fn a_silent_upload_gets_408() {
+    let up = Upstream::start().await;
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"10s\"\nclient_body_timeout = \"300ms\"\n{}",
+        proxy_to(&up.url())
+    ))
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\nab")
+        .await
+        .unwrap();
+    let head = tokio::time::timeout(Duration::from_secs(3), read_head(&mut c))
+        .await
+        .expect("an answer before upstream_timeout")
+        .unwrap();
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
+    );
+}
+
+#[tokio::test]
+async fn an_upstream_that_stops_taking_the_body_times_out() {
+    // It reads the head, then neither reads nor answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let _ = read_head(&mut conn).await;
+            held.push(conn);
+        }
+    });
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"300ms\"\n{}",
+        proxy_to(&upstream)
+    ))
+    .await;
+    let size = 64 << 20;
+    let c = TcpStream::connect(s.addr).await.unwrap();
+    let (mut read, mut write) = c.into_split();
+    tokio::spawn(async move {
+        let head = format!("POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: {size}\r\n\r\n");
+        write.write_all(head.as_bytes()).await?;
+        write.write_all(&vec![0u8; size]).await
+    });
+    let mut got = Vec::new();
+    let answer = tokio::time::timeout(Duration::from_secs(5), async {
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut chunk = [0u8; 1024];
+            match read.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(answer.is_ok(), "no answer");
+    assert!(
+        got.starts_with(b"HTTP/1.1 504"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+}
+
+/// A backend with one worker: one connection at a time, `Connection:
+/// close`; `/big` is 48 MiB. The flag turns true once it has written all of
+/// `/big`.
+async fn one_worker_upstream() -> (String, Arc<AtomicBool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let done = Arc::new(AtomicBool::new(false));
+    let flag = done.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let Some(head) = read_head(&mut conn).await else {
+                continue;
+            };
+            if head.starts_with("GET /big ") {
+                let size = 48 << 20;
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {size}\r\nconnection: close\r\n\r\n"
+                );
+                if conn.write_all(head.as_bytes()).await.is_ok()
+                    && conn.write_all(&vec![7u8; size]).await.is_ok()
+                {
+                    flag.store(true, Ordering::SeqCst);
+                }
+            } else {
+                let _ = conn
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                    )
+                    .await;
+            }
+        }
+    });
+    (url, done)
+}
+
+#[tokio::test]
+async fn a_slow_reader_does_not_hold_a_one_worker_backend() {
+    let (upstream, big_sent) = one_worker_upstream().await;
+    let s = Sluice::start(&format!(
+        "[server]\nupstream_timeout = \"2s\"\n\
+         [upstreams.one]\nurl = \"{upstream}\"\nbuffer = \"64MiB\"\n\
+         [[routes]]\npath = \"/\"\nupstream = \"one\"\n"
+    ))
+    .await;
+    let request = b"GET /big HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n";
+    let slow = stalled_client(s.addr, request).await;
+    // sluice takes the whole answer, so the worker is free again...
+    wait_until(|| big_sent.load(Ordering::SeqCst)).await;
+    // ...for everyone else, while the slow client has read nothing.
+    let other = get(&s.url("/small"), &[]).await;
+    assert_eq!(other.status, http::StatusCode::OK);
+    assert_eq!(&other.body[..], b"ok");
+    // And the slow client still gets all of it (and a head) when it reads.
+    let got = drain(slow).await;
+    assert!(got > 48 << 20 && got < (48 << 20) + 1024, "{got}");
+}
