@@ -373,3 +373,85 @@ async fn a_slow_reader_does_not_hold_a_one_worker_backend() {
     let got = drain(slow).await;
     assert!(got > 48 << 20 && got < (48 << 20) + 1024, "{got}");
 }
+
+/// A backend with one worker that reads each request's whole body
+/// (`Content-Length`) before it answers with its size, as a WSGI worker
+/// does; one connection at a time.
+async fn one_worker_reading_bodies() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let Some(head) = read_head(&mut conn).await else {
+                continue;
+            };
+            let (head, body) = head.split_once("\r\n\r\n").unwrap_or((&head, ""));
+            let length: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().to_string())
+                })
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let mut got = body.len();
+            let mut chunk = [0u8; 4096];
+            while got < length {
+                match conn.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got += n,
+                }
+            }
+            let answer = got.to_string();
+            let _ = conn
+                .write_all(
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                        answer.len()
+                    )
+                    .as_bytes(),
+                )
+                .await;
+        }
+    });
+    url
+}
+
+/// A client that stops half-way through its upload holds no backend worker:
+/// sluice takes bodies up to the upstream's `buffer` whole before it
+/// forwards them. (Streamed, the one worker would wait for the rest of the
+/// body, and the other client would get 504.)
+#[tokio::test]
+async fn a_slow_upload_does_not_hold_a_one_worker_backend() {
+    let upstream = one_worker_reading_bodies().await;
+    for (buffer, other_status) in [("1MiB", 200), ("0", 504)] {
+        let s = Sluice::start(&format!(
+            "[server]\nupstream_timeout = \"1s\"\nshutdown_timeout = \"1s\"\n\
+             [upstreams.one]\nurl = \"{upstream}\"\nbuffer = \"{buffer}\"\n\
+             [[routes]]\npath = \"/\"\nupstream = \"one\"\n"
+        ))
+        .await;
+        let mut slow = TcpStream::connect(s.addr).await.unwrap();
+        slow.write_all(b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 1000\r\n\r\n")
+            .await
+            .unwrap();
+        slow.write_all(&[b'u'; 500]).await.unwrap();
+        // Half the body sent, the rest held back while another client asks.
+        let other = get(&s.url("/other"), &[]).await;
+        assert_eq!(other.status.as_u16(), other_status, "buffer {buffer}");
+        slow.write_all(&[b'u'; 500]).await.unwrap();
+        let head = tokio::time::timeout(Duration::from_secs(5), read_head(&mut slow))
+            .await
+            .unwrap()
+            .unwrap();
+        if buffer != "0" {
+            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+            assert!(
+                head.ends_with("\r\n\r\n1000"),
+                "the whole body went on: {head}"
+            );
+        }
+        s.shutdown().await;
+    }
+}

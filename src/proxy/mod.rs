@@ -690,7 +690,23 @@ impl Proxy {
                 upgrade.as_ref(),
             )
             .map_err(ProxyError::BadRequest)?;
-            let uploaded = req.body_mut().watch(server_config.client_body_timeout);
+            let body_timeout = server_config.client_body_timeout;
+            // Taken whole first when it fits the upstream's `buffer` (not for
+            // an upgrade: its body, if any, is the tunnel's).
+            if upgrade.is_none() {
+                match req.body_mut().take(upstream.buffer, body_timeout).await {
+                    Ok(()) => {}
+                    Err(pool::TakeError::Stalled) => {
+                        return Err(ProxyError::BodyTimeout(body_timeout.as_millis()));
+                    }
+                    Err(pool::TakeError::Failed) => {
+                        return Err(ProxyError::BadRequest(
+                            "the request body was malformed or cut off",
+                        ));
+                    }
+                }
+            }
+            let uploaded = req.body_mut().watch(body_timeout);
             // Boxed: hyper's exchange has a large state, which would size
             // every request's future.
             let mut exchange = Box::pin(client.request(server, req));

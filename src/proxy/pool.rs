@@ -30,7 +30,7 @@
 //! head for that only then: a busy connection is never idle that long, and
 //! the copy is not free. Sluice's own way has the head's bytes anyway.)
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, ready};
@@ -586,6 +586,11 @@ fn bare_host(server: &UpstreamServer) -> &str {
 /// or one sent once more, see [`replayable`]).
 pub enum RequestBody {
     Stream(Incoming),
+    /// Taken whole from the client before forwarding (see
+    /// [`RequestBody::take`]).
+    Taken(VecDeque<Frame<Bytes>>),
+    /// Larger than the upstream's `buffer`: what was taken, then the rest.
+    Begun(VecDeque<Frame<Bytes>>, Incoming),
     /// The client's, on its way upstream (see [`RequestBody::watch`]).
     Uploading(Box<Uploading>),
     Empty,
@@ -594,6 +599,8 @@ pub enum RequestBody {
 /// A request body being sent upstream: it fails once the client has sent
 /// nothing for `server.client_body_timeout`, and says when it has all gone.
 pub struct Uploading {
+    /// Frames taken before the upload began (see [`RequestBody::take`]).
+    first: VecDeque<Frame<Bytes>>,
     inner: Incoming,
     limit: Duration,
     /// Made the first time the client keeps the body waiting; armed while it does.
@@ -631,7 +638,54 @@ impl Progress {
 #[error("no request body bytes for server.client_body_timeout")]
 pub struct BodyStalled;
 
+/// Why a request body could not be taken (see [`RequestBody::take`]).
+#[derive(Debug)]
+pub enum TakeError {
+    /// The client sent nothing for `server.client_body_timeout`.
+    Stalled,
+    /// The client's body was malformed or cut off.
+    Failed,
+}
+
 impl RequestBody {
+    /// Reads the client's body before it goes upstream, as nginx does, so
+    /// that a slow upload keeps no backend worker waiting: the whole body
+    /// when it is at most `limit` bytes (the upstream's `buffer`), else the
+    /// first `limit` bytes and the rest streamed after them. Each wait for
+    /// the client is bounded by `idle` (`server.client_body_timeout`).
+    pub async fn take(&mut self, limit: usize, idle: Duration) -> Result<(), TakeError> {
+        let known_larger = self.size_hint().lower() > limit as u64;
+        if limit == 0 || known_larger || self.is_end_stream() {
+            return Ok(());
+        }
+        let RequestBody::Stream(_) = self else {
+            return Ok(());
+        };
+        let RequestBody::Stream(mut inner) = std::mem::replace(self, RequestBody::Empty) else {
+            return Ok(());
+        };
+        let mut frames = VecDeque::new();
+        let mut size = 0;
+        while !inner.is_end_stream() {
+            let frame = match tokio::time::timeout(idle, http_body_util::BodyExt::frame(&mut inner))
+                .await
+            {
+                Err(_) => return Err(TakeError::Stalled),
+                Ok(Some(Err(_))) => return Err(TakeError::Failed),
+                Ok(None) => break,
+                Ok(Some(Ok(frame))) => frame,
+            };
+            size += frame.data_ref().map_or(0, Bytes::len);
+            frames.push_back(frame);
+            if size > limit && !inner.is_end_stream() {
+                *self = RequestBody::Begun(frames, inner);
+                return Ok(());
+            }
+        }
+        *self = RequestBody::Taken(frames);
+        Ok(())
+    }
+
     /// Watches a body still to come from the client: it fails after `limit`
     /// without a byte from the client (a timer that runs only while the
     /// upstream waits for the client, not the other way round), and the
@@ -643,11 +697,13 @@ impl RequestBody {
         if self.is_end_stream() {
             return None;
         }
-        let RequestBody::Stream(_) = self else {
-            return None;
-        };
-        let RequestBody::Stream(inner) = std::mem::replace(self, RequestBody::Empty) else {
-            return None;
+        let (first, inner) = match std::mem::replace(self, RequestBody::Empty) {
+            RequestBody::Stream(inner) => (VecDeque::new(), inner),
+            RequestBody::Begun(first, inner) => (first, inner),
+            other => {
+                *self = other;
+                return None;
+            }
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let progress = Arc::new(Progress {
@@ -655,6 +711,7 @@ impl RequestBody {
             waiting_for_client: false.into(),
         });
         *self = RequestBody::Uploading(Box::new(Uploading {
+            first,
             inner,
             limit,
             timer: None,
@@ -669,6 +726,12 @@ impl RequestBody {
 impl Uploading {
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         use std::sync::atomic::Ordering;
+        if let Some(frame) = self.first.pop_front() {
+            self.progress
+                .asked_ms
+                .store(crate::clock::coarse_ms(), Ordering::Release);
+            return Poll::Ready(Some(Ok(frame)));
+        }
         let poll = Pin::new(&mut self.inner)
             .poll_frame(cx)
             .map_err(BoxError::from);
@@ -734,6 +797,11 @@ impl Body for RequestBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             RequestBody::Stream(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            RequestBody::Taken(frames) => Poll::Ready(frames.pop_front().map(Ok)),
+            RequestBody::Begun(frames, body) => match frames.pop_front() {
+                Some(frame) => Poll::Ready(Some(Ok(frame))),
+                None => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            },
             RequestBody::Uploading(body) => body.poll_frame(cx),
             RequestBody::Empty => Poll::Ready(None),
         }
@@ -742,7 +810,9 @@ impl Body for RequestBody {
     fn is_end_stream(&self) -> bool {
         match self {
             RequestBody::Stream(body) => body.is_end_stream(),
-            RequestBody::Uploading(body) => body.inner.is_end_stream(),
+            RequestBody::Taken(frames) => frames.is_empty(),
+            RequestBody::Begun(..) => false,
+            RequestBody::Uploading(body) => body.first.is_empty() && body.inner.is_end_stream(),
             RequestBody::Empty => true,
         }
     }
@@ -750,10 +820,30 @@ impl Body for RequestBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             RequestBody::Stream(body) => body.size_hint(),
-            RequestBody::Uploading(body) => body.inner.size_hint(),
+            RequestBody::Taken(frames) => SizeHint::with_exact(data_size(frames)),
+            RequestBody::Begun(frames, body) => after(data_size(frames), body.size_hint()),
+            RequestBody::Uploading(body) => after(data_size(&body.first), body.inner.size_hint()),
             RequestBody::Empty => SizeHint::with_exact(0),
         }
     }
+}
+
+/// The data bytes of `frames`.
+fn data_size(frames: &VecDeque<Frame<Bytes>>) -> u64 {
+    frames
+        .iter()
+        .map(|f| f.data_ref().map_or(0, |d| d.len() as u64))
+        .sum()
+}
+
+/// The size of `taken` bytes followed by a body of size `rest`.
+fn after(taken: u64, rest: SizeHint) -> SizeHint {
+    let mut hint = SizeHint::new();
+    hint.set_lower(rest.lower().saturating_add(taken));
+    if let Some(upper) = rest.upper() {
+        hint.set_upper(upper.saturating_add(taken));
+    }
+    hint
 }
 
 /// A copy of `req` to send again if it is lost with its connection: only a
