@@ -185,6 +185,12 @@ impl Server {
                                 // An HTTP/2 stream without window is never
                                 // written to: its body is watched apart.
                                 let h2 = req.version() == http::Version::HTTP_2;
+                                // A body sluice answered without reading (a 404,
+                                // a 429, a `respond` route) is read first, a
+                                // little (see `drain`).
+                                if h2 && !req.body().is_end_stream() {
+                                    drain(req.body_mut()).await;
+                                }
                                 let resp = resp.map(|body| match body {
                                     Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
                                         let idle = idle.clone();
@@ -287,6 +293,30 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     Server::new(listener, config)?.run(shutdown).await
 }
+
+/// Reads and drops what is left of an HTTP/2 request body sluice answered
+/// without reading, at most [`DRAIN_BYTES`] within [`DRAIN_TIME`], before
+/// the answer goes: answered first, the stream would be closed on sluice's
+/// side while the client still sends on it, and what HTTP/2 says of the
+/// rest (a malformed body's PROTOCOL_ERROR, a window overflow's
+/// FLOW_CONTROL_ERROR) would be lost. A body that goes on longer is reset.
+async fn drain(body: &mut RequestBody) {
+    use http_body_util::BodyExt;
+    let mut left = DRAIN_BYTES;
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        while let Some(Ok(frame)) = body.frame().await {
+            let size = frame.data_ref().map_or(0, |d| d.len());
+            match left.checked_sub(size) {
+                Some(rest) => left = rest,
+                None => return,
+            }
+        }
+    })
+    .await;
+}
+
+const DRAIN_BYTES: usize = 64 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(1);
 
 /// The 24 bytes a client speaking HTTP/2 with prior knowledge opens with.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";

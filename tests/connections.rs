@@ -455,3 +455,45 @@ async fn a_slow_upload_does_not_hold_a_one_worker_backend() {
         s.shutdown().await;
     }
 }
+
+/// An HTTP/2 request answered by sluice itself (here a 404) while its body
+/// is still coming is read first: a body that breaks its `content-length`
+/// then gets the PROTOCOL_ERROR HTTP/2 requires (RFC 9113 8.1.1), rather
+/// than a stream already closed under it (h2spec 8.1.2.6).
+#[tokio::test]
+async fn an_http2_body_sluice_answers_without_is_still_checked() {
+    let s = Sluice::start("[[routes]]\npath = \"/only\"\nrespond = { status = 200 }\n").await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0".to_vec();
+    // HEADERS, stream 1, END_HEADERS: POST / (static table), a literal
+    // :authority and `content-length: 5`.
+    let block = b"\x83\x86\x84\x41\x09localhost\x5c\x015";
+    out.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x4, 0, 0, 0, 1]);
+    out.extend_from_slice(block);
+    c.write_all(&out).await.unwrap();
+    // Whatever sluice sends before the body comes (without the fix: its 404).
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(200), c.read(&mut chunk)).await
+    {
+        assert!(n > 0, "closed");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    // Three bytes, END_STREAM: not the five announced.
+    c.write_all(&[0, 0, 3, 0x0, 0x1, 0, 0, 0, 1, b'a', b'b', b'c'])
+        .await
+        .unwrap();
+    let reset = loop {
+        if let Some((_, p)) = h2_frames(&got).into_iter().find(|(t, _)| *t == 0x3) {
+            break p;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk))
+            .await
+            .expect("a RST_STREAM")
+            .unwrap();
+        assert!(n > 0, "closed without a RST_STREAM");
+        got.extend_from_slice(&chunk[..n]);
+    };
+    // PROTOCOL_ERROR is 0x1.
+    assert_eq!(reset, [0, 0, 0, 1]);
+}
