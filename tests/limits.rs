@@ -262,6 +262,10 @@ async fn identities_header_query_ip_and_global() {
         let r = send(&client(), req.body(empty()).unwrap()).await;
         assert_eq!(r.status, limited, "{copies:?} still counts alice");
     }
+    // More than 16 distinct values: refused, never asked of the store.
+    let many: Vec<String> = (0..17).map(|i| format!("u{i}")).collect();
+    let r = get_as(&s.url("/user"), &[("x-user", many.join(","))]).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
     // Nothing was charged to the others: carol and dave each pass once.
     for other in ["carol", "dave"] {
         let r = get_as(&s.url("/user"), &[("x-user", other.into())]).await;

@@ -17,6 +17,10 @@ pub enum ProxyError {
     /// connection's framing is intact.
     #[error("refused: {0}")]
     Refused(#[from] crate::router::Refused),
+    /// More distinct values for one rate-limit key than are counted (see
+    /// `identity::MAX_VALUES`): well-formed, so the connection stays.
+    #[error("refused: more than 16 distinct values for a rate-limit key")]
+    TooManyValues,
     #[error("request headers are larger than {0} bytes")]
     HeadersTooLarge(usize),
     #[error("rate limit exceeded; retry in {retry_after} s")]
@@ -43,7 +47,9 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
-            ProxyError::BadRequest(_) | ProxyError::Refused(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BadRequest(_) | ProxyError::Refused(_) | ProxyError::TooManyValues => {
+                StatusCode::BAD_REQUEST
+            }
             ProxyError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::Limited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,

@@ -552,9 +552,7 @@ impl Proxy {
                 }
                 Ok(Verdict::TooManyValues) => {
                     ctx.decision = "too-many-identities";
-                    return Err(ProxyError::BadRequest(
-                        "too many distinct values for a rate-limit key (at most 16)",
-                    ));
+                    return Err(ProxyError::TooManyValues);
                 }
                 Err(e) => {
                     ctx.decision = "store-error";
