@@ -427,11 +427,10 @@ impl Said {
             self.chunked = Some(eq_lower(last, b"chunked"));
         } else if eq_lower(name, b"content-length") {
             for item in tokens() {
-                if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
+                let Some(n) = length(item) else {
                     self.length = Err("a Content-Length that is not a number");
                     return;
-                }
-                let n = item.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+                };
                 match self.length {
                     Ok(Some(l)) if l != n => {
                         self.length = Err("Content-Lengths that disagree");
@@ -443,6 +442,19 @@ impl Said {
             }
         }
     }
+}
+
+/// One item of a `Content-Length`: digits alone, any number of leading
+/// zeros, at most `u64::MAX - 2` (as hyper's client reads it).
+fn length(item: &[u8]) -> Option<u64> {
+    if item.is_empty() {
+        return None;
+    }
+    let n = item.iter().try_fold(0u64, |n, &d| {
+        let d = char::from(d).to_digit(10)?;
+        n.checked_mul(10)?.checked_add(u64::from(d))
+    })?;
+    (n <= u64::MAX - 2).then_some(n)
 }
 
 /// How the body of an answer ends (RFC 9112 §6.3), and whether its
@@ -678,6 +690,9 @@ mod tests {
         assert_eq!(length(&["5", "5"]), Ok(Some(5)));
         assert_eq!(length(&["5, 5"]), Ok(Some(5)));
         assert_eq!(length(&[]), Ok(None));
+        // Leading zeros are no limit to a number's length, as with hyper.
+        assert_eq!(length(&["00000000000000000005"]), Ok(Some(5)));
+        assert_eq!(length(&["18446744073709551613"]), Ok(Some(u64::MAX - 2)));
         for bad in [
             &["5x"][..],
             &["+5"],
@@ -685,6 +700,8 @@ mod tests {
             &["5, 6"],
             &[""],
             &["99999999999999999999"],
+            &["18446744073709551614"],
+            &["18446744073709551616"],
             &["5x", "5"],
         ] {
             assert!(length(bad).is_err(), "{bad:?}");
