@@ -268,6 +268,7 @@ fn parse_head(
         _ => None,
     };
     fields.head = buf.split_to(len).freeze();
+    said.http10 = version == Version::HTTP_10;
     said.keep = match version {
         Version::HTTP_10 => said.keep_alive,
         _ => !said.close,
@@ -397,6 +398,8 @@ struct Said {
     length: Result<Option<u64>, &'static str>,
     /// With a `Transfer-Encoding`: whether its last coding is chunked.
     chunked: Option<bool>,
+    /// An HTTP/1.0 answer, which cannot use a `Transfer-Encoding`.
+    http10: bool,
 }
 
 impl Default for Said {
@@ -408,6 +411,7 @@ impl Default for Said {
             names_others: false,
             length: Ok(None),
             chunked: None,
+            http10: false,
         }
     }
 }
@@ -463,14 +467,26 @@ fn framing(head_only: bool, status: StatusCode, said: &Said) -> Result<(Framing,
     if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Length(0), said.keep));
     }
-    let length = said.length.map_err(H1Error::Framing)?;
-    Ok(match (said.chunked, length) {
-        // Both framings at once is how requests get smuggled: the length is
-        // ignored and the connection not trusted again.
-        (Some(true), length) => (Framing::Chunked(Chunk::Size), said.keep && length.is_none()),
+    Ok(match said.chunked {
+        // RFC 9112 §6.1: its framing is faulty (hyper's client refuses it).
+        Some(_) if said.http10 => {
+            return Err(H1Error::Framing(
+                "an HTTP/1.0 answer with a Transfer-Encoding",
+            ));
+        }
+        // Both framings at once is how requests get smuggled: the length,
+        // whatever it says, is ignored (as hyper's client ignores it) and
+        // the connection not trusted again.
+        Some(true) => (
+            Framing::Chunked(Chunk::Size),
+            said.keep && said.length == Ok(None),
+        ),
         // A coding that is not chunked last: the body ends with the connection.
-        (Some(false), _) | (None, None) => (Framing::Close, false),
-        (None, Some(n)) => (Framing::Length(n), said.keep),
+        Some(false) => (Framing::Close, false),
+        None => match said.length.map_err(H1Error::Framing)? {
+            Some(n) => (Framing::Length(n), said.keep),
+            None => (Framing::Close, false),
+        },
     })
 }
 
@@ -769,11 +785,28 @@ mod tests {
         let (f, keep) = framing(false, StatusCode::OK, &both).unwrap();
         assert!(matches!(f, Framing::Chunked(Chunk::Size)) && !keep);
         // A coding that is not chunked last: the body ends with the connection.
-        let (f, keep) = framing(false, StatusCode::OK, &said(&[(te, "chunked, gzip")])).unwrap();
+        let (f, keep) = framing(
+            false,
+            StatusCode::OK,
+            &said(&[(te.clone(), "chunked, gzip")]),
+        )
+        .unwrap();
         assert!(matches!(f, Framing::Close) && !keep);
         // A bodiless answer's framing headers are not looked at.
         let bad = said(&[(header::CONTENT_LENGTH, "x")]);
         assert!(framing(false, StatusCode::NOT_MODIFIED, &bad).is_ok());
         assert!(framing(false, StatusCode::OK, &bad).is_err());
+        // With a Transfer-Encoding, a Content-Length is not read at all.
+        for te_value in ["chunked", "gzip"] {
+            let both = said(&[(te.clone(), te_value), (header::CONTENT_LENGTH, "+1")]);
+            let (_, keep) = framing(false, StatusCode::OK, &both).unwrap();
+            assert!(!keep);
+        }
+        // An HTTP/1.0 answer with one is refused (RFC 9112 §6.1), unless it
+        // has no body anyway.
+        let mut old = said(&[(te, "chunked")]);
+        old.http10 = true;
+        assert!(framing(false, StatusCode::OK, &old).is_err());
+        assert!(framing(true, StatusCode::OK, &old).is_ok());
     }
 }
