@@ -626,8 +626,8 @@ enum Step {
 /// Reads one framing line (or the trailer section) from the front of `buf`.
 fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
     match chunk {
-        Chunk::Size => match httparse::parse_chunk_size(buf) {
-            Ok(httparse::Status::Complete((len, size))) => {
+        Chunk::Size => match chunk_size(buf).map_err(H1Error::Framing)? {
+            Some((len, size)) => {
                 buf.advance(len);
                 Ok(Step::Next(Framing::Chunked(if size == 0 {
                     Chunk::Trailers
@@ -635,8 +635,7 @@ fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
                     Chunk::Data(size)
                 })))
             }
-            Ok(httparse::Status::Partial) => Ok(Step::More),
-            Err(_) => Err(H1Error::Framing("a chunk size that is not hex")),
+            None => Ok(Step::More),
         },
         Chunk::DataEnd => {
             if buf.len() < 2 {
@@ -673,6 +672,46 @@ fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
             Ok(Step::Trailers(trailers))
         }
         Chunk::Data(_) => Ok(Step::More),
+    }
+}
+
+/// The chunk-size line at the front of `buf`, read as hyper's client reads
+/// it: at least one hex digit (leading zeros as many as come, the size
+/// within a u64), blanks, an extension up to the CR with no LF in it, CRLF.
+/// Its length and the size; `None` while it is not all there. (httparse's
+/// reading takes a line without digits as the last chunk, and an LF in an
+/// extension: hyper's refuses both.)
+fn chunk_size(buf: &[u8]) -> Result<Option<(usize, u64)>, &'static str> {
+    let mut size = 0u64;
+    let mut at = 0;
+    while let Some(d) = buf.get(at).and_then(|&b| char::from(b).to_digit(16)) {
+        size = size
+            .checked_mul(16)
+            .and_then(|s| s.checked_add(u64::from(d)))
+            .ok_or("a chunk size past 64 bits")?;
+        at += 1;
+    }
+    if at == buf.len() {
+        return Ok(None);
+    }
+    if at == 0 {
+        return Err("a chunk size line without a size");
+    }
+    while matches!(buf.get(at), Some(b' ' | b'\t')) {
+        at += 1;
+    }
+    if buf.get(at) == Some(&b';') {
+        while buf.get(at).is_some_and(|&b| b != b'\r') {
+            if buf[at] == b'\n' {
+                return Err("an LF in a chunk extension");
+            }
+            at += 1;
+        }
+    }
+    match (buf.get(at), buf.get(at + 1)) {
+        (None, _) | (Some(b'\r'), None) => Ok(None),
+        (Some(b'\r'), Some(b'\n')) => Ok(Some((at + 2, size))),
+        _ => Err("a chunk size that is not hex"),
     }
 }
 
@@ -768,6 +807,38 @@ mod tests {
             let fields = parse(head);
             assert!(fields.block().is_none(), "{head:?}");
             assert_eq!(fields.iter().count(), kept, "{head:?}");
+        }
+    }
+
+    #[test]
+    fn chunk_size_lines_are_read_as_hyper_reads_them() {
+        for (line, read) in [
+            (&b"a\r\n"[..], Some((3, 10))),
+            (b"A \t;x=\"y\"\r\nrest", Some((11, 10))),
+            (b"00000000000000000001\r\n", Some((22, 1))),
+            (b"ffffffffffffffff\r\n", Some((18, u64::MAX))),
+            (b"0\r\n", Some((3, 0))),
+            (b"", None),
+            (b"1", None),
+            (b"1 ", None),
+            (b"1;ab", None),
+            (b"1\r", None),
+        ] {
+            assert_eq!(chunk_size(line), Ok(read), "{line:?}");
+        }
+        for line in [
+            &b"\r\n"[..],
+            b";a\r\n",
+            b" 1\r\n",
+            b"1;a\nb\r\n",
+            b"10000000000000000\r\n",
+            b"1 1\r\n",
+            b"1\n",
+            b"1\rx",
+            b"g\r\n",
+            b"0x1\r\n",
+        ] {
+            assert!(chunk_size(line).is_err(), "{line:?}");
         }
     }
 
