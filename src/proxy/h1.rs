@@ -428,7 +428,9 @@ impl Said {
             self.names_others |= !super::forward::names_none(value);
         } else if eq_lower(name, b"transfer-encoding") {
             let last = tokens().next_back().unwrap_or_default();
-            self.chunked = Some(eq_lower(last, b"chunked"));
+            // A value with bytes above 0x7F is not text, so not "chunked"
+            // (as hyper's client reads it): its body ends with the connection.
+            self.chunked = Some(value.is_ascii() && eq_lower(last, b"chunked"));
         } else if eq_lower(name, b"content-length") {
             for item in tokens() {
                 let Some(n) = length(item) else {
@@ -855,6 +857,14 @@ mod tests {
         let both = said(&[(te.clone(), "chunked"), (header::CONTENT_LENGTH, "3")]);
         let (f, keep) = framing(false, StatusCode::OK, &both).unwrap();
         assert!(matches!(f, Framing::Chunked(Chunk::Size)) && !keep);
+        // Nor is a value that is not text.
+        let (f, _) = framing(
+            false,
+            StatusCode::OK,
+            &said(&[(te.clone(), "\u{e9}, chunked")]),
+        )
+        .unwrap();
+        assert!(matches!(f, Framing::Close));
         // A coding that is not chunked last: the body ends with the connection.
         let (f, keep) = framing(
             false,
