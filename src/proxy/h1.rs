@@ -650,14 +650,21 @@ fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
             Ok(Step::Next(Framing::Chunked(Chunk::Size)))
         }
         Chunk::Trailers => {
-            if buf.starts_with(b"\r\n") {
-                buf.advance(2);
+            let Some((len, lines)) = trailer_section(buf).map_err(H1Error::Framing)? else {
+                return Ok(Step::More);
+            };
+            if lines == 0 {
+                buf.advance(len);
                 return Ok(Step::Next(Framing::Done));
             }
+            // A field per line: an LF alone that httparse takes for a line's
+            // end makes one too many, and is refused (as by hyper's client).
             let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-            let (len, fields) = match httparse::parse_headers(buf, &mut slots) {
-                Ok(httparse::Status::Complete(done)) => done,
-                Ok(httparse::Status::Partial) => return Ok(Step::More),
+            let fields = match httparse::parse_headers(&buf[..len], &mut slots[..lines]) {
+                Ok(httparse::Status::Complete((_, fields))) => fields,
+                Ok(httparse::Status::Partial) => {
+                    return Err(H1Error::Framing("a trailer section that does not end"));
+                }
                 Err(e) => return Err(H1Error::Head(e)),
             };
             // Rare enough for plain copies.
@@ -674,6 +681,42 @@ fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
             Ok(Step::Trailers(trailers))
         }
         Chunk::Data(_) => Ok(Step::More),
+    }
+}
+
+/// The most bytes a trailer section may have (hyper's client's limit).
+const MAX_TRAILERS: usize = 16 * 1024;
+
+/// Where the trailer section at the front of `buf` ends, found as hyper's
+/// client finds it: lines each ended by CRLF (an LF alone is a byte of its
+/// line, a CR alone an error), up to an empty one. Its length and the
+/// number of lines before the empty one; `None` while it is not all there.
+/// (httparse alone ends it at an empty line ended by an LF alone, where
+/// hyper reads on: the two would disagree on where the next answer starts.)
+fn trailer_section(buf: &[u8]) -> Result<Option<(usize, usize)>, &'static str> {
+    let mut at = 0;
+    let mut lines = 0;
+    loop {
+        match (buf.get(at), buf.get(at + 1)) {
+            (Some(b'\r'), Some(b'\n')) => return Ok(Some((at + 2, lines))),
+            (Some(b'\r'), Some(_)) => return Err("a CR alone in the trailers"),
+            (None, _) | (Some(b'\r'), None) => return Ok(None),
+            _ => {}
+        }
+        while buf.get(at).is_some_and(|&b| b != b'\r') {
+            at += 1;
+            if at >= MAX_TRAILERS {
+                return Err("a trailer section too long");
+            }
+        }
+        match buf.get(at + 1) {
+            None => return Ok(None),
+            Some(b'\n') if lines < MAX_HEADERS => {}
+            Some(b'\n') => return Err("too many trailer fields"),
+            Some(_) => return Err("a CR alone in the trailers"),
+        }
+        lines += 1;
+        at += 2;
     }
 }
 
@@ -842,6 +885,44 @@ mod tests {
         ] {
             assert!(chunk_size(line).is_err(), "{line:?}");
         }
+    }
+
+    #[test]
+    fn trailer_sections_end_where_hyper_ends_them() {
+        for (section, read) in [
+            (&b"\r\nnext"[..], Some((2, 0))),
+            (b"X: 1\r\nY: 2\r\n\r\nnext", Some((14, 2))),
+            // An LF alone is a byte of its line, not an end.
+            (b"X: 1\n\r\n\r\n", Some((9, 1))),
+            (b"X: 1\r\n\n", None),
+            (b"\n", None),
+            (b"X: 1\r\n", None),
+            (b"X: 1\r", None),
+            (b"", None),
+        ] {
+            assert_eq!(trailer_section(section), Ok(read), "{section:?}");
+        }
+        for section in [&b"X: 1\rY\r\n\r\n"[..], b"\rx"] {
+            assert!(trailer_section(section).is_err(), "{section:?}");
+        }
+        let many = "X: 1\r\n".repeat(MAX_HEADERS + 1) + "\r\n";
+        assert!(trailer_section(many.as_bytes()).is_err());
+        let long = format!("X: {}\r\n\r\n", "a".repeat(MAX_TRAILERS));
+        assert!(trailer_section(long.as_bytes()).is_err());
+        // A bare LF that httparse takes for a field's end is refused.
+        let mut buf = BytesMut::from(&b"X: 1\nY: 2\r\n\r\n"[..]);
+        assert!(step(Chunk::Trailers, &mut buf).is_err());
+        // Where httparse ends it early, the section is still read whole.
+        let mut buf = BytesMut::from(&b"X: 1\r\n\nY: 2\r\n\r\n"[..]);
+        let Ok(Step::Trailers(trailers)) = step(Chunk::Trailers, &mut buf) else {
+            panic!("trailers");
+        };
+        assert_eq!((trailers.len(), buf.len()), (1, 0));
+        let mut buf = BytesMut::from(&b"X: 1\r\nY: 2\r\n\r\nnext"[..]);
+        let Ok(Step::Trailers(trailers)) = step(Chunk::Trailers, &mut buf) else {
+            panic!("trailers");
+        };
+        assert_eq!((trailers.len(), &buf[..]), (2, &b"next"[..]));
     }
 
     #[test]
