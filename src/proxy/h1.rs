@@ -972,3 +972,6 @@ mod tests {
         assert!(framing(true, StatusCode::OK, &old).is_ok());
     }
 }
+
+#[cfg(test)]
+mod props;
