@@ -399,6 +399,14 @@ async fn upstream(listener: TcpListener, pieces: Vec<Vec<u8>>, turn: Option<Arc<
     let _ = stream.read_to_end(&mut rest).await;
 }
 
+/// A client's socket to `addr`, closed with a reset: long runs would
+/// otherwise use up the ports in TIME_WAIT.
+async fn connect(addr: std::net::SocketAddr) -> Result<TcpStream, String> {
+    let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    stream.set_zero_linger().map_err(|e| e.to_string())?;
+    Ok(stream)
+}
+
 /// Polls `fut`, telling the upstream to send its next piece each time it
 /// waits: so each piece is read apart.
 async fn turned<T>(turn: &Notify, fut: impl Future<Output = T>) -> T {
@@ -421,7 +429,7 @@ async fn sluice_reads(case: &Case) -> Result<Got, String> {
     let turn = Arc::new(Notify::new());
     let pieces = case.pieces().into_iter().map(<[u8]>::to_vec).collect();
     let server = tokio::spawn(upstream(listener, pieces, Some(turn.clone())));
-    let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let stream = connect(addr).await?;
     let mut conn = Conn::new(stream);
     let request = if case.head_only { HEAD } else { GET };
     let got = async {
@@ -455,7 +463,7 @@ async fn hyper_reads(case: &Case) -> Result<Got, String> {
         .map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let server = tokio::spawn(upstream(listener, vec![case.bytes.clone()], None));
-    let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let stream = connect(addr).await?;
     let got = async {
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
