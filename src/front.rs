@@ -716,3 +716,6 @@ impl AsyncWrite for Rewind {
         Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod props;

@@ -37,8 +37,17 @@ impl Diag<'_> {
 
     fn err(&mut self, span: &Range<usize>, msg: impl AsRef<str>) {
         let line = self.line(span);
-        self.errors
-            .push(format!("{}:{line}: {}", self.name, msg.as_ref()));
+        // A value quoted in the message may hold a line break: escaped, each
+        // message stays one line that names its file and line.
+        let mut text = String::new();
+        for c in msg.as_ref().chars() {
+            if c.is_control() {
+                text.extend(c.escape_default());
+            } else {
+                text.push(c);
+            }
+        }
+        self.errors.push(format!("{}:{line}: {text}", self.name));
     }
 }
 

@@ -277,6 +277,7 @@ fn parse_head(
         _ => None,
     };
     fields.head = buf.split_to(len).freeze();
+    said.http10 = version == Version::HTTP_10;
     said.keep = match version {
         Version::HTTP_10 => said.keep_alive,
         _ => !said.close,
@@ -406,6 +407,8 @@ struct Said {
     length: Result<Option<u64>, &'static str>,
     /// With a `Transfer-Encoding`: whether its last coding is chunked.
     chunked: Option<bool>,
+    /// An HTTP/1.0 answer, which cannot use a `Transfer-Encoding`.
+    http10: bool,
 }
 
 impl Default for Said {
@@ -417,6 +420,7 @@ impl Default for Said {
             names_others: false,
             length: Ok(None),
             chunked: None,
+            http10: false,
         }
     }
 }
@@ -433,14 +437,15 @@ impl Said {
             self.names_others |= !super::forward::names_none(value);
         } else if eq_lower(name, b"transfer-encoding") {
             let last = tokens().next_back().unwrap_or_default();
-            self.chunked = Some(eq_lower(last, b"chunked"));
+            // A value with bytes above 0x7F is not text, so not "chunked"
+            // (as hyper's client reads it): its body ends with the connection.
+            self.chunked = Some(value.is_ascii() && eq_lower(last, b"chunked"));
         } else if eq_lower(name, b"content-length") {
             for item in tokens() {
-                if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
+                let Some(n) = length(item) else {
                     self.length = Err("a Content-Length that is not a number");
                     return;
-                }
-                let n = item.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+                };
                 match self.length {
                     Ok(Some(l)) if l != n => {
                         self.length = Err("Content-Lengths that disagree");
@@ -454,23 +459,44 @@ impl Said {
     }
 }
 
+/// One item of a `Content-Length`: digits alone, any number of leading
+/// zeros, at most `u64::MAX - 2` (as hyper's client reads it).
+fn length(item: &[u8]) -> Option<u64> {
+    if item.is_empty() {
+        return None;
+    }
+    let n = item.iter().try_fold(0u64, |n, &d| {
+        let d = char::from(d).to_digit(10)?;
+        n.checked_mul(10)?.checked_add(u64::from(d))
+    })?;
+    (n <= u64::MAX - 2).then_some(n)
+}
+
 /// How the body of an answer ends (RFC 9112 §6.3), and whether its
 /// connection may still be kept.
 fn framing(head_only: bool, status: StatusCode, said: &Said) -> Result<(Framing, bool), H1Error> {
     if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Length(0), said.keep));
     }
-    // With a Transfer-Encoding, the Content-Length is not looked at (as
-    // hyper's client does). Both framings at once is how requests get
-    // smuggled: the connection is not trusted again.
-    let both = !matches!(said.length, Ok(None));
     Ok(match said.chunked {
-        Some(true) => (Framing::Chunked(Chunk::Size), said.keep && !both),
+        // RFC 9112 §6.1: its framing is faulty (hyper's client refuses it).
+        Some(_) if said.http10 => {
+            return Err(H1Error::Framing(
+                "an HTTP/1.0 answer with a Transfer-Encoding",
+            ));
+        }
+        // Both framings at once is how requests get smuggled: the length,
+        // whatever it says, is ignored (as hyper's client ignores it) and
+        // the connection not trusted again.
+        Some(true) => (
+            Framing::Chunked(Chunk::Size),
+            said.keep && said.length == Ok(None),
+        ),
         // A coding that is not chunked last: the body ends with the connection.
         Some(false) => (Framing::Close, false),
         None => match said.length.map_err(H1Error::Framing)? {
-            None => (Framing::Close, false),
             Some(n) => (Framing::Length(n), said.keep),
+            None => (Framing::Close, false),
         },
     })
 }
@@ -611,8 +637,8 @@ enum Step {
 /// Reads one framing line (or the trailer section) from the front of `buf`.
 fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
     match chunk {
-        Chunk::Size => match httparse::parse_chunk_size(buf) {
-            Ok(httparse::Status::Complete((len, size))) => {
+        Chunk::Size => match chunk_size(buf).map_err(H1Error::Framing)? {
+            Some((len, size)) => {
                 buf.advance(len);
                 Ok(Step::Next(Framing::Chunked(if size == 0 {
                     Chunk::Trailers
@@ -620,8 +646,7 @@ fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
                     Chunk::Data(size)
                 })))
             }
-            Ok(httparse::Status::Partial) => Ok(Step::More),
-            Err(_) => Err(H1Error::Framing("a chunk size that is not hex")),
+            None => Ok(Step::More),
         },
         Chunk::DataEnd => {
             if buf.len() < 2 {
@@ -634,14 +659,21 @@ fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
             Ok(Step::Next(Framing::Chunked(Chunk::Size)))
         }
         Chunk::Trailers => {
-            if buf.starts_with(b"\r\n") {
-                buf.advance(2);
+            let Some((len, lines)) = trailer_section(buf).map_err(H1Error::Framing)? else {
+                return Ok(Step::More);
+            };
+            if lines == 0 {
+                buf.advance(len);
                 return Ok(Step::Next(Framing::Done));
             }
+            // A field per line: an LF alone that httparse takes for a line's
+            // end makes one too many, and is refused (as by hyper's client).
             let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-            let (len, fields) = match httparse::parse_headers(buf, &mut slots) {
-                Ok(httparse::Status::Complete(done)) => done,
-                Ok(httparse::Status::Partial) => return Ok(Step::More),
+            let fields = match httparse::parse_headers(&buf[..len], &mut slots[..lines]) {
+                Ok(httparse::Status::Complete((_, fields))) => fields,
+                Ok(httparse::Status::Partial) => {
+                    return Err(H1Error::Framing("a trailer section that does not end"));
+                }
                 Err(e) => return Err(H1Error::Head(e)),
             };
             // Rare enough for plain copies.
@@ -658,6 +690,82 @@ fn step(chunk: Chunk, buf: &mut BytesMut) -> Result<Step, H1Error> {
             Ok(Step::Trailers(trailers))
         }
         Chunk::Data(_) => Ok(Step::More),
+    }
+}
+
+/// The most bytes a trailer section may have (hyper's client's limit).
+const MAX_TRAILERS: usize = 16 * 1024;
+
+/// Where the trailer section at the front of `buf` ends, found as hyper's
+/// client finds it: lines each ended by CRLF (an LF alone is a byte of its
+/// line, a CR alone an error), up to an empty one. Its length and the
+/// number of lines before the empty one; `None` while it is not all there.
+/// (httparse alone ends it at an empty line ended by an LF alone, where
+/// hyper reads on: the two would disagree on where the next answer starts.)
+fn trailer_section(buf: &[u8]) -> Result<Option<(usize, usize)>, &'static str> {
+    let mut at = 0;
+    let mut lines = 0;
+    loop {
+        match (buf.get(at), buf.get(at + 1)) {
+            (Some(b'\r'), Some(b'\n')) => return Ok(Some((at + 2, lines))),
+            (Some(b'\r'), Some(_)) => return Err("a CR alone in the trailers"),
+            (None, _) | (Some(b'\r'), None) => return Ok(None),
+            _ => {}
+        }
+        while buf.get(at).is_some_and(|&b| b != b'\r') {
+            at += 1;
+            if at >= MAX_TRAILERS {
+                return Err("a trailer section too long");
+            }
+        }
+        match buf.get(at + 1) {
+            None => return Ok(None),
+            Some(b'\n') if lines < MAX_HEADERS => {}
+            Some(b'\n') => return Err("too many trailer fields"),
+            Some(_) => return Err("a CR alone in the trailers"),
+        }
+        lines += 1;
+        at += 2;
+    }
+}
+
+/// The chunk-size line at the front of `buf`, read as hyper's client reads
+/// it: at least one hex digit (leading zeros as many as come, the size
+/// within a u64), blanks, an extension up to the CR with no LF in it, CRLF.
+/// Its length and the size; `None` while it is not all there. (httparse's
+/// reading takes a line without digits as the last chunk, and an LF in an
+/// extension: hyper's refuses both.)
+fn chunk_size(buf: &[u8]) -> Result<Option<(usize, u64)>, &'static str> {
+    let mut size = 0u64;
+    let mut at = 0;
+    while let Some(d) = buf.get(at).and_then(|&b| char::from(b).to_digit(16)) {
+        size = size
+            .checked_mul(16)
+            .and_then(|s| s.checked_add(u64::from(d)))
+            .ok_or("a chunk size past 64 bits")?;
+        at += 1;
+    }
+    if at == buf.len() {
+        return Ok(None);
+    }
+    if at == 0 {
+        return Err("a chunk size line without a size");
+    }
+    while matches!(buf.get(at), Some(b' ' | b'\t')) {
+        at += 1;
+    }
+    if buf.get(at) == Some(&b';') {
+        while buf.get(at).is_some_and(|&b| b != b'\r') {
+            if buf[at] == b'\n' {
+                return Err("an LF in a chunk extension");
+            }
+            at += 1;
+        }
+    }
+    match (buf.get(at), buf.get(at + 1)) {
+        (None, _) | (Some(b'\r'), None) => Ok(None),
+        (Some(b'\r'), Some(b'\n')) => Ok(Some((at + 2, size))),
+        _ => Err("a chunk size that is not hex"),
     }
 }
 
@@ -691,6 +799,9 @@ mod tests {
         assert_eq!(length(&["5", "5"]), Ok(Some(5)));
         assert_eq!(length(&["5, 5"]), Ok(Some(5)));
         assert_eq!(length(&[]), Ok(None));
+        // Leading zeros are no limit to a number's length, as with hyper.
+        assert_eq!(length(&["00000000000000000005"]), Ok(Some(5)));
+        assert_eq!(length(&["18446744073709551613"]), Ok(Some(u64::MAX - 2)));
         for bad in [
             &["5x"][..],
             &["+5"],
@@ -698,6 +809,8 @@ mod tests {
             &["5, 6"],
             &[""],
             &["99999999999999999999"],
+            &["18446744073709551614"],
+            &["18446744073709551616"],
             &["5x", "5"],
         ] {
             assert!(length(bad).is_err(), "{bad:?}");
@@ -752,6 +865,76 @@ mod tests {
     }
 
     #[test]
+    fn chunk_size_lines_are_read_as_hyper_reads_them() {
+        for (line, read) in [
+            (&b"a\r\n"[..], Some((3, 10))),
+            (b"A \t;x=\"y\"\r\nrest", Some((11, 10))),
+            (b"00000000000000000001\r\n", Some((22, 1))),
+            (b"ffffffffffffffff\r\n", Some((18, u64::MAX))),
+            (b"0\r\n", Some((3, 0))),
+            (b"", None),
+            (b"1", None),
+            (b"1 ", None),
+            (b"1;ab", None),
+            (b"1\r", None),
+        ] {
+            assert_eq!(chunk_size(line), Ok(read), "{line:?}");
+        }
+        for line in [
+            &b"\r\n"[..],
+            b";a\r\n",
+            b" 1\r\n",
+            b"1;a\nb\r\n",
+            b"10000000000000000\r\n",
+            b"1 1\r\n",
+            b"1\n",
+            b"1\rx",
+            b"g\r\n",
+            b"0x1\r\n",
+        ] {
+            assert!(chunk_size(line).is_err(), "{line:?}");
+        }
+    }
+
+    #[test]
+    fn trailer_sections_end_where_hyper_ends_them() {
+        for (section, read) in [
+            (&b"\r\nnext"[..], Some((2, 0))),
+            (b"X: 1\r\nY: 2\r\n\r\nnext", Some((14, 2))),
+            // An LF alone is a byte of its line, not an end.
+            (b"X: 1\n\r\n\r\n", Some((9, 1))),
+            (b"X: 1\r\n\n", None),
+            (b"\n", None),
+            (b"X: 1\r\n", None),
+            (b"X: 1\r", None),
+            (b"", None),
+        ] {
+            assert_eq!(trailer_section(section), Ok(read), "{section:?}");
+        }
+        for section in [&b"X: 1\rY\r\n\r\n"[..], b"\rx"] {
+            assert!(trailer_section(section).is_err(), "{section:?}");
+        }
+        let many = "X: 1\r\n".repeat(MAX_HEADERS + 1) + "\r\n";
+        assert!(trailer_section(many.as_bytes()).is_err());
+        let long = format!("X: {}\r\n\r\n", "a".repeat(MAX_TRAILERS));
+        assert!(trailer_section(long.as_bytes()).is_err());
+        // A bare LF that httparse takes for a field's end is refused.
+        let mut buf = BytesMut::from(&b"X: 1\nY: 2\r\n\r\n"[..]);
+        assert!(step(Chunk::Trailers, &mut buf).is_err());
+        // Where httparse ends it early, the section is still read whole.
+        let mut buf = BytesMut::from(&b"X: 1\r\n\nY: 2\r\n\r\n"[..]);
+        let Ok(Step::Trailers(trailers)) = step(Chunk::Trailers, &mut buf) else {
+            panic!("trailers");
+        };
+        assert_eq!((trailers.len(), buf.len()), (1, 0));
+        let mut buf = BytesMut::from(&b"X: 1\r\nY: 2\r\n\r\nnext"[..]);
+        let Ok(Step::Trailers(trailers)) = step(Chunk::Trailers, &mut buf) else {
+            panic!("trailers");
+        };
+        assert_eq!((trailers.len(), &buf[..]), (2, &b"next"[..]));
+    }
+
+    #[test]
     fn a_chunked_body_with_a_length_too_is_not_kept() {
         let te = header::TRANSFER_ENCODING;
         let (f, keep) = framing(
@@ -764,6 +947,14 @@ mod tests {
         let both = said(&[(te.clone(), "chunked"), (header::CONTENT_LENGTH, "3")]);
         let (f, keep) = framing(false, StatusCode::OK, &both).unwrap();
         assert!(matches!(f, Framing::Chunked(Chunk::Size)) && !keep);
+        // Nor is a value that is not text.
+        let (f, _) = framing(
+            false,
+            StatusCode::OK,
+            &said(&[(te.clone(), "\u{e9}, chunked")]),
+        )
+        .unwrap();
+        assert!(matches!(f, Framing::Close));
         // A coding that is not chunked last: the body ends with the connection.
         let (f, keep) = framing(
             false,
@@ -780,5 +971,20 @@ mod tests {
         let bad = said(&[(header::CONTENT_LENGTH, "x")]);
         assert!(framing(false, StatusCode::NOT_MODIFIED, &bad).is_ok());
         assert!(framing(false, StatusCode::OK, &bad).is_err());
+        // With a Transfer-Encoding, a Content-Length is not read at all.
+        for te_value in ["chunked", "gzip"] {
+            let both = said(&[(te.clone(), te_value), (header::CONTENT_LENGTH, "+1")]);
+            let (_, keep) = framing(false, StatusCode::OK, &both).unwrap();
+            assert!(!keep);
+        }
+        // An HTTP/1.0 answer with one is refused (RFC 9112 §6.1), unless it
+        // has no body anyway.
+        let mut old = said(&[(te, "chunked")]);
+        old.http10 = true;
+        assert!(framing(false, StatusCode::OK, &old).is_err());
+        assert!(framing(true, StatusCode::OK, &old).is_ok());
     }
 }
+
+#[cfg(test)]
+mod props;
