@@ -415,6 +415,25 @@ impl fmt::Display for Config {
         let s = &self.server;
         let tls = if s.tls.is_some() { " (TLS)" } else { "" };
         writeln!(f, "server: listen {}{tls}, workers {}", s.listen, s.workers)?;
+        writeln!(
+            f,
+            "clients: max_connections {}, listen_backlog {}, max_streams {}, max_upstream_per_client {}, escaped_slashes {}, underscore_headers {}",
+            s.max_connections,
+            s.listen_backlog,
+            s.max_streams,
+            s.max_upstream_per_client,
+            // As the file spells them.
+            format!("{:?}", s.escaped_slashes).to_ascii_lowercase(),
+            format!("{:?}", s.underscore_headers).to_ascii_lowercase()
+        )?;
+        writeln!(
+            f,
+            "timeouts: header {}, client_body {}, upstream {}, client_send {}",
+            duration::format(s.header_timeout),
+            duration::format(s.client_body_timeout),
+            duration::format(s.upstream_timeout),
+            duration::format(s.client_send_timeout)
+        )?;
         if !s.trusted_proxies.is_empty() {
             let nets: Vec<String> = s.trusted_proxies.iter().map(|n| n.to_string()).collect();
             writeln!(f, "trusted proxies: {}", nets.join(", "))?;
@@ -433,7 +452,7 @@ impl fmt::Display for Config {
         writeln!(f, "upstreams:")?;
         for u in &self.upstreams {
             let servers: Vec<String> = u.servers.iter().map(|s| s.to_string()).collect();
-            writeln!(f, "  {}: {}", u.name, servers.join(", "))?;
+            writeln!(f, "  {}: {} (buffer {} bytes)", u.name, servers.join(", "), u.buffer)?;
         }
         writeln!(f, "policies:")?;
         for p in &self.policies {
