@@ -614,3 +614,45 @@ async fn memory_stays_bounded_under_a_flood_of_identities() {
     m.sweep(s.clock.now_ms());
     assert!(m.is_empty());
 }
+
+/// `/usage` finds an identity as the proxy counts it: an IPv6 address by
+/// its network (asked by any address of it, or by the range), an
+/// IPv4-mapped address as IPv4, a header value by its bytes.
+#[tokio::test]
+async fn usage_names_identities_as_they_are_counted() {
+    let up = Upstream::start().await;
+    let cfg = format!(
+        "[server]\ntrusted_proxies = [\"127.0.0.1\"]\n[upstreams.api]\nurl = \"{}\"\n\
+         [policies.p]\nlimits = [{{ limit = 5, window = \"1h\" }}]\n\
+         [policies.h]\nkey = \"header:X-Key\"\nlimits = [{{ limit = 5, window = \"1h\" }}]\n\
+         [[routes]]\npath = \"/h\"\nupstream = \"api\"\npolicy = \"h\"\n\
+         [[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"\n",
+        up.url()
+    );
+    let s = Sluice::start_with_clock(&cfg, clock_at_window_start(3_600_000)).await;
+    for ip in ["2001:db8:1:2::1", "2001:db8:1:2::2", "192.0.2.1"] {
+        assert_eq!(
+            get_as(&s.url("/"), &[from(ip)]).await.status,
+            StatusCode::OK
+        );
+    }
+    let used = |value: &str| {
+        let url = s.admin_url(&format!("/usage?policy=p&key=ip&value={value}"));
+        async move { get(&url, &[]).await.json()["limits"][0]["used"].clone() }
+    };
+    assert_eq!(used("2001:db8:1:2::ffff").await, 2);
+    assert_eq!(used("2001:db8:1:2::/64").await, 2);
+    assert_eq!(used("2001:db8:1:3::1").await, 0);
+    assert_eq!(used("::ffff:192.0.2.1").await, 1);
+    // A value that is not UTF-8, asked as its escapes.
+    let mut req = Request::get(s.url("/h"));
+    req = req.header("x-key", http::HeaderValue::from_bytes(b"k\xff").unwrap());
+    assert_eq!(
+        send(&client(), req.body(empty()).unwrap()).await.status,
+        StatusCode::OK
+    );
+    let url = s.admin_url("/usage?policy=h&key=header:X-Key&value=k%FF");
+    assert_eq!(get(&url, &[]).await.json()["limits"][0]["used"], 1);
+    let url = s.admin_url("/usage?policy=h&key=header:X-Key&value=k%FE");
+    assert_eq!(get(&url, &[]).await.json()["limits"][0]["used"], 0);
+}

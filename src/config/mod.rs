@@ -452,7 +452,13 @@ impl fmt::Display for Config {
         writeln!(f, "upstreams:")?;
         for u in &self.upstreams {
             let servers: Vec<String> = u.servers.iter().map(|s| s.to_string()).collect();
-            writeln!(f, "  {}: {} (buffer {} bytes)", u.name, servers.join(", "), u.buffer)?;
+            writeln!(
+                f,
+                "  {}: {} (buffer {} bytes)",
+                u.name,
+                servers.join(", "),
+                u.buffer
+            )?;
         }
         writeln!(f, "policies:")?;
         for p in &self.policies {

@@ -10,7 +10,10 @@
 //! 6. **log**: one access-log event.
 //!
 //! - `forward.rs`: request/response rewriting for the upstream;
-//! - `pool.rs`: the upstream client and its keep-alive connections;
+//! - `pool.rs`: the upstream client and its keep-alive connections, and the
+//!   bodies on their way (read ahead of slow clients, taken whole before
+//!   forwarding, up to the upstream's `buffer`);
+//! - `per_client.rs`: upstream exchanges in flight per client address;
 //! - `h1.rs`: sluice's own HTTP/1.1 exchange, for requests without a body;
 //! - `plain_head.rs`: the quick parser for usual heads (answers here,
 //!   requests in `crate::front`);
