@@ -40,24 +40,58 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[error("the client accepted no response bytes for server.client_send_timeout ({0:?})")]
 pub struct Stalled(pub Duration);
 
+/// A limit on how long something may wait without progress: armed when a
+/// poll first waits, disarmed by the next one that makes progress, so a
+/// peer that keeps up costs no timer at all.
+#[derive(Debug)]
+pub struct Waiting {
+    pub limit: Duration,
+    /// Made the first time a poll waits; armed while polls wait.
+    timer: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+}
+
+impl Waiting {
+    pub fn new(limit: Duration) -> Waiting {
+        Waiting {
+            limit,
+            timer: None,
+            armed: false,
+        }
+    }
+
+    /// Notes a poll's outcome (`waiting`: it returned `Pending`); ready once
+    /// polls have waited for `limit` without progress in between.
+    pub fn poll(&mut self, cx: &mut Context<'_>, waiting: bool) -> Poll<()> {
+        if !waiting {
+            self.armed = false;
+            return Poll::Pending;
+        }
+        let deadline = Instant::now() + self.limit;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.armed {
+            timer.as_mut().reset(deadline);
+            self.armed = true;
+        }
+        timer.as_mut().poll(cx)
+    }
+}
+
 /// A client connection whose writes fail once they make no progress for
 /// `limit` (see the module's doc).
 #[derive(Debug)]
 pub struct SendTimeout<T> {
     io: T,
-    limit: Duration,
-    /// Made the first time a write waits; armed while writes wait.
-    timer: Option<Pin<Box<Sleep>>>,
-    armed: bool,
+    waiting: Waiting,
 }
 
 impl<T> SendTimeout<T> {
     pub fn new(io: T, limit: Duration) -> SendTimeout<T> {
         SendTimeout {
             io,
-            limit,
-            timer: None,
-            armed: false,
+            waiting: Waiting::new(limit),
         }
     }
 
@@ -68,24 +102,12 @@ impl<T> SendTimeout<T> {
     /// What a write that returned `poll` means: progress disarms the timer;
     /// waiting arms it (once) and fails when it fires.
     fn watch<R>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
-        if poll.is_ready() {
-            self.armed = false;
-            return poll;
-        }
-        let deadline = Instant::now() + self.limit;
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        if !self.armed {
-            timer.as_mut().reset(deadline);
-            self.armed = true;
-        }
-        match timer.as_mut().poll(cx) {
+        match self.waiting.poll(cx, poll.is_pending()) {
             Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                Stalled(self.limit),
+                Stalled(self.waiting.limit),
             ))),
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => poll,
         }
     }
 }

@@ -13,21 +13,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 const RESPOND: &str = "[[routes]]\npath = \"/\"\nrespond = { status = 200, body = \"hi\" }\n";
 
-/// HTTP/2 frames in `bytes`: (type, payload), as far as they are whole.
-fn h2_frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
-    let mut frames = Vec::new();
-    let mut at = 0;
-    while bytes.len() >= at + 9 {
-        let len = u32::from_be_bytes([0, bytes[at], bytes[at + 1], bytes[at + 2]]) as usize;
-        let Some(payload) = bytes.get(at + 9..at + 9 + len) else {
-            break;
-        };
-        frames.push((bytes[at + 3], payload.to_vec()));
-        at += 9 + len;
-    }
-    frames
-}
-
 #[tokio::test]
 async fn max_streams_is_announced_in_http2_settings() {
     let s = Sluice::start(&format!("[server]\nmax_streams = 7\n{RESPOND}")).await;

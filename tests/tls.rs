@@ -178,21 +178,6 @@ async fn a_reload_puts_a_renewed_certificate_in_service() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// HTTP/2 frames in `bytes`: (type, payload), as far as they are whole.
-fn h2_frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
-    let mut frames = Vec::new();
-    let mut at = 0;
-    while bytes.len() >= at + 9 {
-        let len = u32::from_be_bytes([0, bytes[at], bytes[at + 1], bytes[at + 2]]) as usize;
-        let Some(payload) = bytes.get(at + 9..at + 9 + len) else {
-            break;
-        };
-        frames.push((bytes[at + 3], payload.to_vec()));
-        at += 9 + len;
-    }
-    frames
-}
-
 #[tokio::test]
 async fn alpn_h2_speaks_http2_from_the_first_byte() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -602,10 +602,8 @@ pub struct Uploading {
     /// Frames taken before the upload began (see [`RequestBody::take`]).
     first: VecDeque<Frame<Bytes>>,
     inner: Incoming,
-    limit: Duration,
-    /// Made the first time the client keeps the body waiting; armed while it does.
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    armed: bool,
+    /// `server.client_body_timeout`, while the client keeps the body waiting.
+    waiting: crate::stall::Waiting,
     /// Told when the whole body has been handed to the upstream connection.
     sent: Option<tokio::sync::oneshot::Sender<()>>,
     progress: Arc<Progress>,
@@ -713,9 +711,7 @@ impl RequestBody {
         *self = RequestBody::Uploading(Box::new(Uploading {
             first,
             inner,
-            limit,
-            timer: None,
-            armed: false,
+            waiting: crate::stall::Waiting::new(limit),
             sent: Some(tx),
             progress: progress.clone(),
         }));
@@ -741,35 +737,21 @@ impl Uploading {
         self.progress
             .waiting_for_client
             .store(poll.is_pending(), Ordering::Release);
-        match &poll {
-            Poll::Ready(frame) => {
-                self.armed = false;
-                let over = match frame {
-                    None | Some(Err(_)) => true,
-                    Some(Ok(_)) => self.inner.is_end_stream(),
-                };
-                if over && let Some(sent) = self.sent.take() {
-                    let _ = sent.send(());
-                }
-                poll
-            }
-            Poll::Pending => {
-                let deadline = tokio::time::Instant::now() + self.limit;
-                let timer = self
-                    .timer
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-                if !self.armed {
-                    timer.as_mut().reset(deadline);
-                    self.armed = true;
-                }
-                match timer.as_mut().poll(cx) {
-                    // hyper's client reports it as a user error whose
-                    // source this is (see `is_body_stalled`).
-                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled)))),
-                    Poll::Pending => Poll::Pending,
-                }
+        if self.waiting.poll(cx, poll.is_pending()).is_ready() {
+            // hyper's client reports it as a user error whose source this
+            // is (see `is_body_stalled`).
+            return Poll::Ready(Some(Err(Box::new(BodyStalled))));
+        }
+        if let Poll::Ready(frame) = &poll {
+            let over = match frame {
+                None | Some(Err(_)) => true,
+                Some(Ok(_)) => self.inner.is_end_stream(),
+            };
+            if over && let Some(sent) = self.sent.take() {
+                let _ = sent.send(());
             }
         }
+        poll
     }
 }
 

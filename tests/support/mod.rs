@@ -927,3 +927,18 @@ macro_rules! on_both {
         }
     };
 }
+
+/// HTTP/2 frames in `bytes`: (type, payload), as far as they are whole.
+pub fn h2_frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while bytes.len() >= at + 9 {
+        let len = u32::from_be_bytes([0, bytes[at], bytes[at + 1], bytes[at + 2]]) as usize;
+        let Some(payload) = bytes.get(at + 9..at + 9 + len) else {
+            break;
+        };
+        frames.push((bytes[at + 3], payload.to_vec()));
+        at += 9 + len;
+    }
+    frames
+}
