@@ -465,6 +465,8 @@ def main():
 listen = "127.0.0.1:{ports[name]}"
 workers = 1
 trusted_proxies = ["127.0.0.1"]
+# wrk is one client address: no per-client cap on its connections.
+max_upstream_per_client = 1000000
 {store}
 {extra}
 [upstreams.api]

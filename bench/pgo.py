@@ -154,6 +154,8 @@ def train(binary, profiles):
 listen = "127.0.0.1:{port}"
 workers = 1
 trusted_proxies = ["127.0.0.1"]
+# wrk is one client address: no per-client cap on its connections.
+max_upstream_per_client = 1000000
 {extra}
 [upstreams.api]
 url = "http://127.0.0.1:{up}"
