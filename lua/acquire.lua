@@ -34,7 +34,7 @@
 -- The same definitions are in src/store/memory.rs and refund.lua; keep them in
 -- step.
 --
--- Written for speed (README, Cost): Redis's Lua hashes every byte of every
+-- Written for speed (docs/redis.md): Redis's Lua hashes every byte of every
 -- string it makes, and a table costs about 2,000 instructions with its
 -- collection. So a key's state and the answer live in locals, the usual call
 -- makes no table, tags are compared as 8-byte strings, records are expected in

@@ -10,7 +10,7 @@
 //! hyper's handling, as before, and the common `GET` skips hyper's
 //! dispatcher, whose request and response futures it moved about a dozen
 //! times a request (measured: about a quarter of the instructions per
-//! proxied `GET`, see README Performance).
+//! proxied `GET`, see docs/performance.md).
 //!
 //! What a client sees is what hyper's server does:
 //!

@@ -6,7 +6,7 @@
 //! - **sluice's own** ([`super::h1`]), for the usual request: no body, no
 //!   upgrade, to a plain-HTTP upstream. The request's task writes the head
 //!   and reads the answer itself (measured: about a fifth of the instructions
-//!   per proxied `GET`, see README Performance).
+//!   per proxied `GET`, see docs/performance.md).
 //! - **hyper's** (`hyper::client::conn::http1`), for the rest: requests with
 //!   a body (streamed both ways at once), upgrades, TLS upstreams. Each
 //!   connection is driven by a task of its own.
