@@ -720,6 +720,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))
             .collect(),
         name: name.into(),
+        plan: Arc::from(DEFAULT_PLAN),
         ipv6_prefix,
         charge,
         refund,

@@ -281,9 +281,15 @@ pub enum Mode {
     Shadow,
 }
 
+/// The name of a policy's own `limits` as a plan.
+pub const DEFAULT_PLAN: &str = "default";
+
 #[derive(Debug)]
 pub struct Policy {
     pub name: Arc<str>,
+    /// The plan these limits are: [`DEFAULT_PLAN`] for the policy's own
+    /// `limits`, else the name of one of its `plans`.
+    pub plan: Arc<str>,
     /// IPv6 clients are counted by their network of this many bits.
     pub ipv6_prefix: u8,
     pub charge: Charge,
