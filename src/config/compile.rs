@@ -675,10 +675,186 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             format!("{key}: limits: needs at least one limit"),
         );
     }
+    let mut limits = limit_list(d, &format!("{key}: limits"), r.limits.get_ref(), &keys);
+    let mut plan_limits: Vec<(&String, &Spanned<RawPlan>, Vec<Limit>)> = Vec::new();
+    for (plan, raw_plan) in &r.plans {
+        let pkey = format!("{key}: plans.{plan}");
+        if plan == DEFAULT_PLAN
+            || !plan
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            d.err(
+                &raw_plan.span(),
+                format!("{pkey}: a plan's name is letters, digits, '-' and '_', and not \"{DEFAULT_PLAN}\""),
+            );
+        }
+        let list = &raw_plan.get_ref().limits;
+        plan_limits.push((
+            plan,
+            raw_plan,
+            limit_list(d, &format!("{pkey}: limits"), list.get_ref(), &keys),
+        ));
+    }
+    if d.errors.len() > errors_before {
+        return None;
+    }
+    // Limits of one window and algorithm that count different keys (a global
+    // budget next to a per-client one) need ids of their own: a client whose
+    // header is missing is counted by address under both.
+    let ids: Vec<String> = limits.iter().map(|l| l.id.clone()).collect();
+    let own_id = |l: &Limit| {
+        if ids.iter().filter(|id| **id == l.id).count() > 1 {
+            let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
+            format!("{}@{}", l.id, keys.join("+"))
+        } else {
+            l.id.clone()
+        }
+    };
+    // A plan counts in the same counters as the policy's own limits: every
+    // plan (but one that refuses all) has the same windows, algorithms and
+    // keys, so a switch of plan keeps each count, and no sequence of
+    // switches gives a client more than the largest plan allows.
+    for (plan, raw_plan, list) in &mut plan_limits {
+        if list.is_empty() {
+            continue;
+        }
+        let shape = |l: &Limit| (own_id(l), l.keys.clone());
+        let mut want: Vec<_> = limits.iter().map(shape).collect();
+        let mut have: Vec<_> = list.iter().map(shape).collect();
+        want.sort_by(|a, b| a.0.cmp(&b.0));
+        have.sort_by(|a, b| a.0.cmp(&b.0));
+        let same = want.len() == have.len()
+            && want.iter().zip(&have).all(|(a, b)| {
+                a.0 == b.0 && a.1.len() == b.1.len() && a.1.iter().all(|k| b.1.contains(k))
+            });
+        if !same {
+            let names = |v: &[(String, Vec<KeySpec>)]| {
+                v.iter()
+                    .map(|(id, _)| id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            d.err(
+                &raw_plan.get_ref().limits.span(),
+                format!(
+                    "{key}: plans.{plan}: limits must count the same windows, algorithms and keys as the policy's limits ({}), with limits of their own, or be [] to refuse all; it has {}",
+                    names(&want),
+                    names(&have)
+                ),
+            );
+        }
+        for l in list.iter_mut() {
+            l.id = own_id(l);
+        }
+    }
+    for l in &mut limits {
+        l.id = own_id(l);
+    }
+    let plan_key = match (&r.plan_key, r.plans.is_empty()) {
+        (Some(v), true) => {
+            d.err(
+                &v.span(),
+                format!("{key}: plan_key: the policy has no plans"),
+            );
+            None
+        }
+        (Some(v), false) => match v.get_ref().parse::<KeySpec>() {
+            Ok(KeySpec::Global) => {
+                d.err(
+                    &v.span(),
+                    format!("{key}: plan_key: \"global\" has no value to pick a plan by"),
+                );
+                None
+            }
+            Ok(spec) => Some(spec),
+            Err(e) => {
+                d.err(&v.span(), format!("{key}: plan_key: {e}"));
+                None
+            }
+        },
+        (None, false) => keys.iter().find(|k| **k != KeySpec::Global).cloned(),
+        (None, true) => None,
+    };
+    if plan_key.is_none() && !r.plans.is_empty() && r.plan_key.is_none() {
+        d.err(
+            &raw.span(),
+            format!("{key}: plans need a plan_key (the policy counts only \"global\")"),
+        );
+    }
+    let plan_header = match &r.plan_header {
+        None => None,
+        Some(_) if r.plans.is_empty() => {
+            let v = r.plan_header.as_ref().map_or(0..0, |v| v.span());
+            d.err(&v, format!("{key}: plan_header: the policy has no plans"));
+            None
+        }
+        Some(v) => match HeaderName::from_bytes(v.get_ref().as_bytes()) {
+            Ok(name) => Some(name),
+            Err(_) => {
+                d.err(
+                    &v.span(),
+                    format!("{key}: plan_header: '{}' is not a header name", v.get_ref()),
+                );
+                None
+            }
+        },
+    };
+    let mut assign = std::collections::HashMap::new();
+    for (value, plan) in &r.assign {
+        match r.plans.keys().position(|p| p == plan.get_ref()) {
+            Some(i) => {
+                assign.insert(value.as_bytes().to_vec(), i);
+            }
+            None => d.err(
+                &plan.span(),
+                format!(
+                    "{key}: assign: \"{value}\" = \"{}\": no such plan (the policy's plans: {})",
+                    plan.get_ref(),
+                    r.plans
+                        .keys()
+                        .map(String::as_str)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ),
+        }
+    }
+    if d.errors.len() > errors_before {
+        return None;
+    }
+    let mut policy = Policy {
+        name: name.into(),
+        plan: Arc::from(DEFAULT_PLAN),
+        ipv6_prefix,
+        charge,
+        refund,
+        mode,
+        limits: Vec::new(),
+        specs: Vec::new(),
+        plans: Vec::new(),
+        plan_key,
+        plan_header,
+        assign: Default::default(),
+        ietf: IetfTexts::new(name, &[]),
+        x_heads: Vec::new(),
+    }
+    .variant(DEFAULT_PLAN, limits);
+    policy.assign = assign;
+    policy.plans = plan_limits
+        .into_iter()
+        .map(|(plan, _, list)| Arc::new(policy.variant(plan, list)))
+        .collect();
+    Some(policy)
+}
+
+/// The limits of one list (`limits` of a policy or of a plan), each checked;
+/// two counting the same window are refused.
+fn limit_list(d: &mut Diag, key: &str, raw: &[Spanned<RawLimit>], keys: &[KeySpec]) -> Vec<Limit> {
     let mut limits: Vec<Limit> = Vec::new();
-    for (i, raw_limit) in r.limits.get_ref().iter().enumerate() {
-        let lkey = format!("{key}: limits[{i}]");
-        if let Some(l) = limit(d, &lkey, raw_limit, &keys) {
+    for (i, raw_limit) in raw.iter().enumerate() {
+        let lkey = format!("{key}[{i}]");
+        if let Some(l) = limit(d, &lkey, raw_limit, keys) {
             let same_keys = |a: &[KeySpec], b: &[KeySpec]| {
                 a.len() == b.len() && a.iter().all(|k| b.contains(k))
             };
@@ -694,40 +870,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             limits.push(l);
         }
     }
-    if d.errors.len() > errors_before {
-        return None;
-    }
-    // Limits of one window and algorithm that count different keys (a global
-    // budget next to a per-client one) need ids of their own: a client whose
-    // header is missing is counted by address under both.
-    let ids: Vec<String> = limits.iter().map(|l| l.id.clone()).collect();
-    for l in &mut limits {
-        if ids.iter().filter(|id| **id == l.id).count() > 1 {
-            let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
-            l.id = format!("{}@{}", l.id, keys.join("+"));
-        }
-    }
-    let mut specs: Vec<KeySpec> = Vec::new();
-    for spec in limits.iter().flat_map(|l| &l.keys) {
-        if !specs.contains(spec) {
-            specs.push(spec.clone());
-        }
-    }
-    Some(Policy {
-        ietf: IetfTexts::new(name, &limits),
-        x_heads: limits
-            .iter()
-            .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))
-            .collect(),
-        name: name.into(),
-        plan: Arc::from(DEFAULT_PLAN),
-        ipv6_prefix,
-        charge,
-        refund,
-        mode,
-        limits,
-        specs,
-    })
+    limits
 }
 
 fn limit(

@@ -299,6 +299,16 @@ pub struct Policy {
     /// The distinct key specs of its limits, in order of first use: a request
     /// has one identity for each.
     pub specs: Vec<KeySpec>,
+    /// The policy's named plans (each a `Policy` of its own, with the same
+    /// name, settings and limit shapes, its own limits, and no plans), in
+    /// file order; empty for a policy without plans and for a plan itself.
+    pub plans: Vec<Arc<Policy>>,
+    /// The key spec whose value picks an identity's plan (a policy with plans).
+    pub plan_key: Option<KeySpec>,
+    /// The header a trusted proxy names an identity's plan in.
+    pub plan_header: Option<HeaderName>,
+    /// The file's assignments: identity value → index into `plans`.
+    pub assign: std::collections::HashMap<Vec<u8>, usize>,
     /// The IETF rate-limit headers' texts, made once.
     pub ietf: IetfTexts,
     /// For each limit, the constant start of its x-ratelimit fields as
@@ -306,6 +316,49 @@ pub struct Policy {
     /// (sluice's own front copies it in one piece; see
     /// `proxy::ratelimit_headers`).
     pub x_heads: Vec<String>,
+}
+
+impl Policy {
+    /// This policy's settings with other `limits` (their ids final), as plan
+    /// `plan`: its header texts and key specs made for them; no plans.
+    pub fn variant(&self, plan: &str, limits: Vec<Limit>) -> Policy {
+        let mut specs: Vec<KeySpec> = Vec::new();
+        for spec in limits.iter().flat_map(|l| &l.keys) {
+            if !specs.contains(spec) {
+                specs.push(spec.clone());
+            }
+        }
+        // The IETF names say the plan when it is not the default.
+        let label = if plan == DEFAULT_PLAN {
+            self.name.to_string()
+        } else {
+            format!("{}-{plan}", self.name)
+        };
+        Policy {
+            ietf: IetfTexts::new(&label, &limits),
+            x_heads: limits
+                .iter()
+                .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))
+                .collect(),
+            name: self.name.clone(),
+            plan: Arc::from(plan),
+            ipv6_prefix: self.ipv6_prefix,
+            charge: self.charge,
+            refund: self.refund.clone(),
+            mode: self.mode,
+            limits,
+            specs,
+            plans: Vec::new(),
+            plan_key: self.plan_key.clone(),
+            plan_header: self.plan_header.clone(),
+            assign: Default::default(),
+        }
+    }
+
+    /// The plan named `name` (the default plan is this policy), if it has one.
+    pub fn plan_index(&self, name: &[u8]) -> Option<usize> {
+        self.plans.iter().position(|p| p.plan.as_bytes() == name)
+    }
 }
 
 /// What the IETF rate-limit headers (`RateLimit-Policy`, `RateLimit`) say
@@ -484,16 +537,38 @@ impl fmt::Display for Config {
                 refund.join(","),
                 p.ipv6_prefix
             )?;
-            for l in &p.limits {
-                let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
-                writeln!(
-                    f,
-                    "    {} per {} by {}, {}",
-                    l.limit,
-                    duration::format(l.window),
-                    keys.join(" + "),
-                    l.algorithm
-                )?;
+            write_limits(f, "    ", &p.limits)?;
+            if let Some(spec) = &p.plan_key {
+                let header = p
+                    .plan_header
+                    .as_ref()
+                    .map(|h| format!(", or header {h} from a trusted proxy"))
+                    .unwrap_or_default();
+                writeln!(f, "    plans by {spec}{header}:")?;
+            }
+            for plan in &p.plans {
+                writeln!(f, "    plan {}:", plan.plan)?;
+                if plan.limits.is_empty() {
+                    writeln!(f, "      refuses every request")?;
+                }
+                write_limits(f, "      ", &plan.limits)?;
+            }
+            let mut assigned: Vec<(String, &str)> = p
+                .assign
+                .iter()
+                .map(|(value, &i)| {
+                    (
+                        String::from_utf8_lossy(value).into_owned(),
+                        &*p.plans[i].plan,
+                    )
+                })
+                .collect();
+            assigned.sort();
+            for (value, plan) in assigned.iter().take(20) {
+                writeln!(f, "    assign {value:?} -> {plan}")?;
+            }
+            if assigned.len() > 20 {
+                writeln!(f, "    ... and {} more assignments", assigned.len() - 20)?;
             }
         }
         writeln!(f, "routes (in match order):")?;
@@ -526,6 +601,22 @@ impl fmt::Display for Config {
         }
         Ok(())
     }
+}
+
+/// One line per limit, for `sluice check`.
+fn write_limits(f: &mut fmt::Formatter<'_>, indent: &str, limits: &[Limit]) -> fmt::Result {
+    for l in limits {
+        let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
+        writeln!(
+            f,
+            "{indent}{} per {} by {}, {}",
+            l.limit,
+            duration::format(l.window),
+            keys.join(" + "),
+            l.algorithm
+        )?;
+    }
+    Ok(())
 }
 
 /// Hides a password in a store URL before it is printed or logged.

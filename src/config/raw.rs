@@ -95,6 +95,22 @@ pub struct RawPolicy {
     pub refund: Option<Vec<Spanned<i64>>>,
     pub mode: Option<Spanned<String>>,
     pub limits: Spanned<Vec<Spanned<RawLimit>>>,
+    /// `[policies.NAME.plans.PLAN]`: named sets of limits in place of `limits`.
+    #[serde(default)]
+    pub plans: BTreeMap<String, Spanned<RawPlan>>,
+    /// The key spec whose value picks an identity's plan.
+    pub plan_key: Option<Spanned<String>>,
+    /// A header a trusted proxy names the plan in.
+    pub plan_header: Option<Spanned<String>>,
+    /// `[policies.NAME.assign]`: identity value → plan name.
+    #[serde(default)]
+    pub assign: BTreeMap<String, Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPlan {
+    pub limits: Spanned<Vec<Spanned<RawLimit>>>,
 }
 
 #[derive(Debug, Deserialize)]
