@@ -80,6 +80,29 @@ impl DenyCache {
             .remove(key);
     }
 
+    /// Forgets every denial of `policy`'s counters (keys `{TAG}:POLICY:LIMIT`):
+    /// its plans changed.
+    pub fn forget_policy(&self, policy: &str) {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        entries.retain(|key, _| {
+            let after_tag = key
+                .iter()
+                .position(|&b| b == b'}')
+                .map_or(&key[..], |at| &key[at + 1..]);
+            !(after_tag.starts_with(b":")
+                && after_tag[1..].starts_with(policy.as_bytes())
+                && after_tag.get(1 + policy.len()) == Some(&b':'))
+        });
+    }
+
+    /// Forgets every denial.
+    pub fn clear(&self) {
+        self.entries
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
     pub fn len(&self) -> usize {
         self.entries.read().unwrap_or_else(|e| e.into_inner()).len()
     }

@@ -16,6 +16,7 @@
 //! - [`fields`]: a request's fields, from hyper's map or the front's head.
 //! - [`identity`]: the client address and the identities limits count by.
 //! - [`limiter`]: policy → counters → verdict; the boundary stores plug into.
+//! - [`plans`]: which plan each identity is on, shared by every instance.
 //! - [`deny_cache`]: denials remembered locally, so a flood costs the store nothing.
 //! - [`store`]: where counters live (memory, Redis).
 //! - [`config`]: the TOML file, checked, with `file:line` errors.
@@ -37,6 +38,7 @@ pub mod identity;
 pub mod idle;
 pub mod limiter;
 pub mod metrics;
+pub mod plans;
 pub mod proxy;
 pub mod router;
 pub mod server;

@@ -17,6 +17,7 @@ use crate::clock::Clock;
 use crate::config::{Charge, KeySpec, Mode, Policy};
 use crate::deny_cache::DenyCache;
 use crate::identity::{self, Identity, Values};
+use crate::plans::{Change, Plans, Polled};
 use crate::store::{Counter, Key, Memo, PerCounter, Store, StoreError};
 
 pub struct Limiter {
@@ -25,6 +26,18 @@ pub struct Limiter {
     /// `store.deny_cache`: only for a remote store (the memory store is as
     /// cheap as the cache).
     deny_cache: Option<DenyCache>,
+    /// The plans assigned at run time.
+    plans: Plans,
+}
+
+/// Why no plan could be chosen for a request (answered 400).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    TooManyValues(#[from] identity::TooManyValues),
+    /// The values of the policy's `plan_key` are on different plans.
+    #[error("the request names identities on different plans")]
+    Mixed,
 }
 
 /// The numbers the rate-limit headers show: the limit that binds.
@@ -72,6 +85,138 @@ impl Limiter {
             store,
             clock,
             deny_cache,
+            plans: Plans::default(),
+        }
+    }
+
+    pub fn plans(&self) -> &Plans {
+        &self.plans
+    }
+
+    /// The plan a request is decided by: `policy` itself (its default plan)
+    /// or one of its `plans`. Each value of the policy's `plan_key` picks
+    /// one: its run-time assignment, else the file's, else the plan a
+    /// trusted proxy named in `plan_header` (`trusted_peer`), else the
+    /// default. Values on different plans are refused: whichever value a
+    /// backend reads, the request was decided by its plan.
+    pub fn plan_of<'p>(
+        &self,
+        policy: &'p Arc<Policy>,
+        client: IpAddr,
+        headers: Fields<'_>,
+        query: Option<&str>,
+        trusted_peer: bool,
+    ) -> Result<&'p Arc<Policy>, PlanError> {
+        let Some(spec) = policy
+            .plan_key
+            .as_ref()
+            .filter(|_| !policy.plans.is_empty())
+        else {
+            return Ok(policy);
+        };
+        let mut values = Values::default();
+        identity::identify_into(
+            spec,
+            client,
+            policy.ipv6_prefix,
+            headers,
+            query,
+            &mut values,
+        )?;
+        let named = || {
+            let header = policy.plan_header.as_ref().filter(|_| trusted_peer)?;
+            let name = headers.values(header).next()?;
+            // An unknown name means the default.
+            Some(policy.plan_index(name.trim_ascii()))
+        };
+        let mut chosen: Option<Option<usize>> = None;
+        for value in values.iter() {
+            let plan = match self.plans.get(&policy.name, value) {
+                // A plan removed from the file since means the default.
+                Some(name) => policy.plan_index(name.as_bytes()),
+                None => match policy.assign.get(value) {
+                    Some(&i) => Some(i),
+                    None => named().flatten(),
+                },
+            };
+            match chosen {
+                Some(c) if c != plan => return Err(PlanError::Mixed),
+                _ => chosen = Some(plan),
+            }
+        }
+        Ok(match chosen.flatten() {
+            Some(i) => &policy.plans[i],
+            None => policy,
+        })
+    }
+
+    /// Puts `value` of `policy` on `plan` (`None`: back to the file's plan,
+    /// or the default), for every instance sharing the store: in force here
+    /// at once, elsewhere within a second (see [`crate::plans`]).
+    pub async fn assign(
+        &self,
+        policy: &Policy,
+        value: &[u8],
+        plan: Option<&str>,
+    ) -> Result<(), StoreError> {
+        if let Store::Redis(redis) = &self.store {
+            let (op, name) = match plan {
+                Some(name) => ("set", name),
+                None => ("del", ""),
+            };
+            redis
+                .plan_change(op, &crate::plans::field(&policy.name, value), name)
+                .await?;
+        }
+        let change = Change::Assign {
+            policy: policy.name.clone(),
+            value: value.to_vec(),
+            plan: plan.map(Arc::from),
+        };
+        self.plans.apply(std::slice::from_ref(&change));
+        if let Some(cache) = &self.deny_cache {
+            cache.forget_policy(&policy.name);
+        }
+        Ok(())
+    }
+
+    /// Reads the plan changes other instances made (Redis), and applies
+    /// them and their unbans to the deny cache; `reload`: read every
+    /// assignment again. Called every [`crate::plans::POLL`].
+    pub async fn sync_plans(&self, policies: &[Arc<Policy>], reload: bool) {
+        let Store::Redis(redis) = &self.store else {
+            return;
+        };
+        let polled = match self.plans.poll(redis, reload).await {
+            Ok(polled) => polled,
+            Err(e) => {
+                crate::store::log_error(&e, "could not read the plans' changes");
+                return;
+            }
+        };
+        let Some(cache) = &self.deny_cache else {
+            return;
+        };
+        let changes = match polled {
+            Polled::Reloaded => return cache.clear(),
+            Polled::Changes(changes) => changes,
+        };
+        for change in changes {
+            match change {
+                Change::Assign { policy, .. } => cache.forget_policy(&policy),
+                Change::Unban {
+                    policy,
+                    spec,
+                    value,
+                } => {
+                    let policy = policies.iter().find(|p| p.name == policy);
+                    if let (Some(policy), Ok(spec)) = (policy, spec.parse::<KeySpec>()) {
+                        for (_, c) in Self::identity_counters(policy, &spec, &value) {
+                            cache.remove(&c.key);
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -290,7 +435,16 @@ impl Limiter {
         if let Some(cache) = &self.deny_cache {
             counters.iter().for_each(|c| cache.remove(&c.key));
         }
-        self.store.forget(&counters).await
+        self.store.forget(&counters).await?;
+        // Every other instance's deny cache forgets them too.
+        if let Store::Redis(redis) = &self.store {
+            let mut field = spec.to_string().into_bytes();
+            field.push(0);
+            field.extend_from_slice(value);
+            let field = crate::plans::field(&policy.name, &field);
+            redis.plan_change("unban", &field, "").await?;
+        }
+        Ok(())
     }
 }
 

@@ -21,6 +21,8 @@ pub mod memory;
 mod pipe;
 pub mod redis;
 
+pub use pipe::Reply;
+
 use std::time::Duration;
 
 use crate::config::Algorithm;

@@ -42,6 +42,7 @@ use crate::config::{Algorithm, ClockSource, StoreConfig};
 
 static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
 static REFUND: &str = include_str!("../../lua/refund.lua");
+static PLAN: &str = include_str!("../../lua/plan.lua");
 
 // One per process: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
@@ -162,6 +163,7 @@ pub struct Inner {
     conn: Conn,
     acquire: Script,
     refund: Script,
+    plan: Script,
     prefix: String,
     timeout: Duration,
     clock: ClockSource,
@@ -210,6 +212,7 @@ impl RedisStore {
             conn,
             acquire: Script::new(ACQUIRE),
             refund: Script::new(REFUND),
+            plan: Script::new(PLAN),
             prefix: config.prefix.clone(),
             timeout: config.timeout,
             clock: config.clock,
@@ -285,6 +288,33 @@ impl RedisStore {
                 cluster.within(deadline, call).await
             }
         }
+    }
+
+    /// One command that is not a script, within `store.timeout` (for the
+    /// plans' assignments and their stream of changes).
+    pub async fn call(&self, args: &[&[u8]]) -> Result<Reply, StoreError> {
+        self.command(args, Instant::now() + self.timeout).await
+    }
+
+    /// The keys of the plans' assignments and of their stream of changes
+    /// (see `lua/plan.lua`): one hash tag, so one cluster slot.
+    pub fn plan_keys(&self) -> [Vec<u8>; 2] {
+        [b":assign".as_slice(), b":log"].map(|end| {
+            let mut key = self.prefix.as_bytes().to_vec();
+            key.extend_from_slice(b"{plans}");
+            key.extend_from_slice(end);
+            key
+        })
+    }
+
+    /// `lua/plan.lua`: one change of the assignments, kept and announced.
+    pub async fn plan_change(&self, op: &str, field: &[u8], plan: &str) -> Result<(), StoreError> {
+        let keys = self.plan_keys();
+        let args: [&[u8]; 3] = [op.as_bytes(), field, plan.as_bytes()];
+        let deadline = Instant::now() + self.timeout;
+        self.eval(&self.plan, PLAN, &keys, &args, deadline)
+            .await
+            .map(|_| ())
     }
 
     fn is_cluster(&self) -> bool {
