@@ -23,8 +23,9 @@
 //! **Which examples.** Every `*.toml` file in `examples/` is loaded as
 //! `sluice check` loads it. Every ```` ```toml ```` block in `docs/*.md` and
 //! `README.md` is loaded too (relative file names from the page's directory),
-//! unless its first line is `# fragment`: mark so a block that shows part of a
-//! config and does not stand alone.
+//! unless its first line starts with `# fragment` (`# fragment: the files must
+//! exist`): mark so a block that shows part of a config and does not stand
+//! alone.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -240,7 +241,7 @@ fn every_example_config_passes_the_check() {
     examples.sort();
     for path in &examples {
         match sluice::config::load(path) {
-            Ok(_) => checked.push(path.display().to_string()),
+            Ok(_) => checked.push(format!("{}", path.display())),
             Err(e) => failed.push(e.to_string()),
         }
     }
@@ -256,18 +257,24 @@ fn every_example_config_passes_the_check() {
         let text = std::fs::read_to_string(page).unwrap();
         let base = page.parent().unwrap();
         for (line, block) in toml_blocks(&text) {
-            if block.lines().next() == Some("# fragment") {
+            if block.starts_with("# fragment") {
                 continue;
             }
-            let name = format!("{} (block from line {line})", page.display());
-            match sluice::config::parse(&block, &name, base) {
-                Ok(_) => checked.push(name),
+            // Padded to its place in the page, so errors name the page's line.
+            let padded = "\n".repeat(line - 1) + &block;
+            let name = page.strip_prefix(root()).unwrap_or(page).display();
+            match sluice::config::parse(&padded, &name.to_string(), base) {
+                Ok(_) => checked.push(format!("{name}:{line}")),
                 Err(e) => failed.push(e.to_string()),
             }
         }
     }
     assert!(failed.is_empty(), "{}", failed.join("\n"));
-    assert!(examples.len() >= 3, "only {} files in examples/", examples.len());
+    assert!(
+        examples.len() >= 3,
+        "only {} files in examples/",
+        examples.len()
+    );
     assert!(
         checked.iter().any(|n| n.contains("configuration.md")),
         "no whole config checked in docs/configuration.md: {checked:?}"
