@@ -1,7 +1,9 @@
 //! The admin listener (`server.admin_listen`): `/healthz` (the process is up),
 //! `/readyz` (config loaded and the store answers; 503 otherwise), `/metrics`
-//! (Prometheus text) and `/usage?policy=NAME&key=KEY&value=VALUE` (GET: one
-//! identity's usage under each limit of a policy; DELETE: reset it). Off
+//! (Prometheus text), `/usage?policy=NAME&key=KEY&value=VALUE` (GET: one
+//! identity's usage under each limit of a policy; DELETE: reset it) and
+//! `/plans?policy=NAME[&value=VALUE]` (GET, PUT, DELETE: the plans
+//! identities are on). Off
 //! unless configured; keep it on loopback: it has no authentication.
 
 use std::convert::Infallible;
@@ -9,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -49,6 +51,10 @@ async fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Full<Bytes>> 
         resp
     };
     const PLAIN: &str = "text/plain; charset=utf-8";
+    if req.uri().path() == "/plans" {
+        let (status, body) = plans(proxy, req).await;
+        return text(status, body.to_string(), "application/json");
+    }
     if req.uri().path() == "/usage" {
         let (status, body) = usage(proxy, &req).await;
         return text(status, body.to_string(), "application/json");
@@ -72,6 +78,173 @@ async fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Full<Bytes>> 
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         ),
         _ => text(StatusCode::NOT_FOUND, "not found\n".into(), PLAIN),
+    }
+}
+
+/// The largest `PUT /plans` body read, and the longest identity value.
+const MAX_PLAN_BODY: usize = 64 * 1024;
+const MAX_VALUE: usize = 4096;
+
+/// `GET|PUT|DELETE /plans?policy=NAME[&value=VALUE]`: the plans identities
+/// are on. `PUT` with `{"plan": "NAME"}` assigns one (for every instance
+/// sharing the store), `DELETE` takes the run-time assignment back (the
+/// file's, or the default, is in force again), `GET` tells one identity's
+/// plan, or without `value` every assignment of the policy.
+async fn plans(proxy: &Proxy, req: Request<Incoming>) -> (StatusCode, serde_json::Value) {
+    let problem = |status: StatusCode, detail: String| {
+        (
+            status,
+            serde_json::json!({ "status": status.as_u16(), "detail": detail }),
+        )
+    };
+    let query = req.uri().query().unwrap_or("").as_bytes().to_vec();
+    let policy_name = form_urlencoded::parse(&query)
+        .find(|(k, _)| k == "policy")
+        .map(|(_, v)| v.into_owned());
+    let value = crate::identity::query_value(&query, b"value");
+    let Some(policy_name) = policy_name else {
+        return problem(StatusCode::BAD_REQUEST, "policy is required".into());
+    };
+    let state = proxy.state();
+    let Some(policy) = state
+        .config
+        .policies
+        .iter()
+        .find(|p| *p.name == *policy_name)
+    else {
+        return problem(StatusCode::NOT_FOUND, format!("no policy '{policy_name}'"));
+    };
+    if policy.plans.is_empty() {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            format!("policy '{policy_name}' has no plans"),
+        );
+    }
+    if value.as_ref().is_some_and(|v| v.len() > MAX_VALUE) {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            format!("value is longer than {MAX_VALUE} bytes"),
+        );
+    }
+    let limiter = proxy.limiter();
+    let names = || {
+        std::iter::once(crate::config::DEFAULT_PLAN)
+            .chain(policy.plans.iter().map(|p| &*p.plan))
+            .collect::<Vec<_>>()
+    };
+    // The plan `value` is on, and why.
+    let in_force = |value: &[u8]| match limiter.plans().get(&policy.name, value) {
+        Some(plan) if plan.as_ref() == crate::config::DEFAULT_PLAN => (plan, "run-time"),
+        Some(plan) if policy.plan_index(plan.as_bytes()).is_some() => (plan, "run-time"),
+        // A plan removed from the file since: the default.
+        Some(_) => (
+            Arc::from(crate::config::DEFAULT_PLAN),
+            "run-time (plan removed)",
+        ),
+        None => match policy.assign.get(value) {
+            Some(&i) => (policy.plans[i].plan.clone(), "file"),
+            None => (Arc::from(crate::config::DEFAULT_PLAN), "default"),
+        },
+    };
+    let method = req.method().clone();
+    let Some(value) = value else {
+        if method != Method::GET && method != Method::HEAD {
+            return problem(StatusCode::BAD_REQUEST, "value is required".into());
+        }
+        let mut assigned: Vec<serde_json::Value> = limiter
+            .plans()
+            .of(&policy.name)
+            .into_iter()
+            .map(|(v, plan)| {
+                serde_json::json!({ "value": String::from_utf8_lossy(&v), "plan": &*plan, "source": "run-time" })
+            })
+            .collect();
+        let mut file: Vec<_> = policy
+            .assign
+            .iter()
+            .filter(|(v, _)| limiter.plans().get(&policy.name, v).is_none())
+            .map(|(v, &i)| {
+                (
+                    String::from_utf8_lossy(v).into_owned(),
+                    &*policy.plans[i].plan,
+                )
+            })
+            .collect();
+        file.sort();
+        assigned
+            .extend(file.into_iter().map(
+                |(v, plan)| serde_json::json!({ "value": v, "plan": plan, "source": "file" }),
+            ));
+        return (
+            StatusCode::OK,
+            serde_json::json!({ "policy": &*policy.name, "plans": names(), "assignments": assigned }),
+        );
+    };
+    let shown = String::from_utf8_lossy(&value).into_owned();
+    match method {
+        Method::GET | Method::HEAD => {
+            let (plan, source) = in_force(&value);
+            (
+                StatusCode::OK,
+                serde_json::json!({ "policy": &*policy.name, "value": shown, "plan": &*plan, "source": source }),
+            )
+        }
+        Method::PUT => {
+            let body = match http_body_util::Limited::new(req.into_body(), MAX_PLAN_BODY)
+                .collect()
+                .await
+            {
+                Ok(body) => body.to_bytes(),
+                Err(_) => {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        format!("the body must be JSON of at most {MAX_PLAN_BODY} bytes"),
+                    );
+                }
+            };
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct Put {
+                plan: String,
+            }
+            let put: Put = match serde_json::from_slice(&body) {
+                Ok(put) => put,
+                Err(e) => {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        format!("the body must be {{\"plan\": \"NAME\"}}: {e}"),
+                    );
+                }
+            };
+            if !names().contains(&put.plan.as_str()) {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    format!(
+                        "policy '{policy_name}' has no plan '{}' (its plans: {})",
+                        put.plan,
+                        names().join(", ")
+                    ),
+                );
+            }
+            if let Err(e) = limiter.assign(policy, &value, Some(&put.plan)).await {
+                return problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+            }
+            (
+                StatusCode::OK,
+                serde_json::json!({ "policy": &*policy.name, "value": shown, "plan": put.plan, "source": "run-time" }),
+            )
+        }
+        Method::DELETE => {
+            if let Err(e) = limiter.assign(policy, &value, None).await {
+                return problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+            }
+            let (plan, source) = in_force(&value);
+            (
+                StatusCode::OK,
+                serde_json::json!({ "policy": &*policy.name, "value": shown, "plan": &*plan, "source": source }),
+            )
+        }
+        _ => problem(StatusCode::METHOD_NOT_ALLOWED, "GET, PUT or DELETE".into()),
     }
 }
 
@@ -139,12 +312,17 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
         return problem(StatusCode::NOT_FOUND, format!("no policy '{policy_name}'"));
     };
     let limiter = proxy.limiter();
+    // The identity's plan, when it is what picks plans; else the default.
+    let plan = match &policy.plan_key {
+        Some(plan_key) if *plan_key == spec => limiter.plan_for_value(policy, &value),
+        _ => policy,
+    };
     let result = match *req.method() {
         Method::DELETE => limiter
             .reset(policy, &spec, &value)
             .await
             .map(|_| Vec::new()),
-        Method::GET | Method::HEAD => limiter.usage(policy, &spec, &value).await,
+        Method::GET | Method::HEAD => limiter.usage(plan, &spec, &value).await,
         _ => return problem(StatusCode::METHOD_NOT_ALLOWED, "GET or DELETE".into()),
     };
     let usage = match result {
@@ -173,6 +351,6 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
         .collect();
     (
         StatusCode::OK,
-        serde_json::json!({ "policy": &*policy.name, "key": key, "value": value, "limits": limits }),
+        serde_json::json!({ "policy": &*policy.name, "plan": &*plan.plan, "key": key, "value": value, "limits": limits }),
     )
 }

@@ -69,7 +69,8 @@ pub fn client_ip(peer: IpAddr, headers: Fields<'_>, trusted: &[IpNet]) -> IpAddr
     peer
 }
 
-fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
+/// Whether `ip` (in its canonical form) is in `trusted`.
+pub fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
     trusted.iter().any(|net| net.contains(&ip))
 }
 

@@ -40,6 +40,11 @@ pub enum PlanError {
     Mixed,
 }
 
+/// How long a request of a plan that refuses everything is told to wait
+/// (`Retry-After`): an hour, after which a client may ask whether its plan
+/// has changed.
+pub const BLOCKED_RETRY_MS: u64 = 3_600_000;
+
 /// The numbers the rate-limit headers show: the limit that binds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Binding {
@@ -150,6 +155,16 @@ impl Limiter {
         })
     }
 
+    /// The plan `value` of `policy`'s `plan_key` is on, without a request:
+    /// its run-time assignment, else the file's, else the default.
+    pub fn plan_for_value<'p>(&self, policy: &'p Arc<Policy>, value: &[u8]) -> &'p Arc<Policy> {
+        let index = match self.plans.get(&policy.name, value) {
+            Some(name) => policy.plan_index(name.as_bytes()),
+            None => policy.assign.get(value).copied(),
+        };
+        index.map_or(policy, |i| &policy.plans[i])
+    }
+
     /// Puts `value` of `policy` on `plan` (`None`: back to the file's plan,
     /// or the default), for every instance sharing the store: in force here
     /// at once, elsewhere within a second (see [`crate::plans`]).
@@ -240,6 +255,22 @@ impl Limiter {
         query: Option<&str>,
         keys: &KeyCache,
     ) -> Result<Verdict, StoreError> {
+        // A plan with no limits (`limits = []`) refuses every request.
+        if policy.limits.is_empty() {
+            let binding = Binding {
+                limit: 0,
+                window_ms: 0,
+                remaining: 0,
+                reset_ms: self.clock.now_ms() + BLOCKED_RETRY_MS,
+                reset_in_ms: BLOCKED_RETRY_MS,
+                retry_ms: BLOCKED_RETRY_MS,
+                index: 0,
+            };
+            return Ok(match policy.mode {
+                Mode::Enforce => Verdict::Limited { binding },
+                Mode::Shadow => Verdict::ShadowLimited { binding },
+            });
+        }
         let Ok(set) = keys.counters(policy, client, headers, query) else {
             return Ok(Verdict::TooManyValues);
         };

@@ -120,6 +120,7 @@ impl Server {
         };
         let admin = admin.map(|l| tokio::spawn(crate::admin::serve(l, proxy.clone())));
         let sweeper = tokio::spawn(sweep(proxy.clone(), clock));
+        let plan_sync = tokio::spawn(sync_plans(proxy.clone()));
         // Load the scripts before serving (each load is bounded by
         // store.timeout; if Redis is down, requests load them on demand).
         if let Store::Redis(r) = proxy.limiter().store() {
@@ -278,6 +279,7 @@ impl Server {
             tracing::warn!("shutdown timeout reached; closing remaining connections");
         }
         sweeper.abort();
+        plan_sync.abort();
         if let Some(admin) = admin {
             admin.abort();
         }
@@ -477,6 +479,29 @@ pub fn listen(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<TcpLi
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Keeps this instance's plan assignments in step with the store's (Redis:
+/// see [`crate::plans`]); the first round reads them all.
+async fn sync_plans(proxy: Arc<Proxy>) {
+    if !matches!(proxy.limiter().store(), Store::Redis(_)) {
+        return;
+    }
+    let mut tick = tokio::time::interval(crate::plans::POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut reloaded = tokio::time::Instant::now();
+    loop {
+        tick.tick().await;
+        let reload = reloaded.elapsed() >= crate::plans::RELOAD;
+        if reload {
+            reloaded = tokio::time::Instant::now();
+        }
+        let state = proxy.state();
+        proxy
+            .limiter()
+            .sync_plans(&state.config.policies, reload)
+            .await;
+    }
+}
 
 /// Drops the memory store's expired counters now and then.
 async fn sweep(proxy: Arc<Proxy>, clock: Clock) {

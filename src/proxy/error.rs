@@ -21,6 +21,9 @@ pub enum ProxyError {
     /// `identity::MAX_VALUES`): well-formed, so the connection stays.
     #[error("refused: more than 16 distinct values for a rate-limit key")]
     TooManyValues,
+    /// The values of a policy's `plan_key` are on different plans.
+    #[error("refused: the request names identities on different plans")]
+    MixedPlans,
     #[error("request headers are larger than {0} bytes")]
     HeadersTooLarge(usize),
     #[error("rate limit exceeded; retry in {retry_after} s")]
@@ -47,9 +50,10 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
-            ProxyError::BadRequest(_) | ProxyError::Refused(_) | ProxyError::TooManyValues => {
-                StatusCode::BAD_REQUEST
-            }
+            ProxyError::BadRequest(_)
+            | ProxyError::Refused(_)
+            | ProxyError::TooManyValues
+            | ProxyError::MixedPlans => StatusCode::BAD_REQUEST,
             ProxyError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::Limited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,

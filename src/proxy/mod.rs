@@ -55,7 +55,7 @@ pub use ratelimit_headers::Limits;
 use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target, UnderscoreHeaders};
 use crate::fields::{Fields, HeadFields};
 use crate::identity;
-use crate::limiter::{Binding, KeyCache, Limiter, Ticket, Verdict};
+use crate::limiter::{Binding, KeyCache, Limiter, PlanError, Ticket, Verdict};
 use crate::metrics::{DecisionCounters, Metrics, Name, RouteCounters, UpstreamLabel};
 use crate::router::{self, Router};
 use crate::store::{Store, StoreError};
@@ -112,9 +112,12 @@ impl State {
                 clients.insert(u.name.clone(), UpstreamClient::new(Some(ca))?);
             }
         }
+        // A plan is an `Arc<Policy>` of its own: its decisions are counted
+        // under its policy.
         let decisions = config
             .policies
             .iter()
+            .flat_map(|p| std::iter::once(p).chain(&p.plans))
             .map(|p| (addr(p), metrics.decision_counters(&p.name)))
             .collect();
         let requests = config
@@ -501,12 +504,30 @@ impl Proxy {
         // client's address (the upstream learns it from X-Forwarded-For).
         let mut ticket: Option<Ticket> = None;
         let mut binding: Option<Binding> = None;
+        let mut plan: Option<&Arc<Policy>> = None;
         if let Some(policy) = &route.policy {
-            let client = identity::client_ip(
-                peer.ip(),
+            let trusted = &config.server.trusted_proxies;
+            let client = identity::client_ip(peer.ip(), fields(req, ctx.head), trusted);
+            // The policy's plan for this client (itself, without plans).
+            let trusted_peer = identity::is_trusted(peer.ip().to_canonical(), trusted);
+            let policy = match self.limiter.plan_of(
+                policy,
+                client,
                 fields(req, ctx.head),
-                &config.server.trusted_proxies,
-            );
+                req.uri().query(),
+                trusted_peer,
+            ) {
+                Ok(policy) => policy,
+                Err(PlanError::TooManyValues(_)) => {
+                    ctx.decision = "too-many-identities";
+                    return Err(ProxyError::TooManyValues);
+                }
+                Err(PlanError::Mixed) => {
+                    ctx.decision = "mixed-plans";
+                    return Err(ProxyError::MixedPlans);
+                }
+            };
+            plan = Some(policy);
             // Not timed for the memory store: its decisions take about a
             // microsecond (all in the histogram's first bucket), and the two
             // clock reads cost a fifth of that.
@@ -550,7 +571,10 @@ impl Proxy {
                         retry_after: b.retry_ms.div_ceil(1000).max(1),
                     }
                     .response();
-                    ctx.limits = Limits::new(config.headers, policy, b);
+                    // A plan with no limits has no fields to show.
+                    if !policy.limits.is_empty() {
+                        ctx.limits = Limits::new(config.headers, policy, b);
+                    }
                     return Ok(resp);
                 }
                 Ok(Verdict::TooManyValues) => {
@@ -582,7 +606,7 @@ impl Proxy {
                 .as_ref()
                 .err()
                 .is_some_and(ProxyError::is_upstream_failure);
-            let policy = route.policy.as_ref().map_or("-", |p| &*p.name);
+            let policy = plan.map_or("-", |p| &*p.name);
             match self.limiter.settle(ticket, status, upstream_failed).await {
                 Ok(true) => {
                     self.metrics
@@ -600,7 +624,9 @@ impl Proxy {
             }
         }
         let resp = outcome?;
-        if let (Some(b), Some(policy)) = (binding, &route.policy) {
+        if let (Some(b), Some(policy)) = (binding, plan)
+            && !policy.limits.is_empty()
+        {
             ctx.limits = Limits::new(config.headers, policy, b);
         }
         Ok(resp)
