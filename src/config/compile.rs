@@ -714,7 +714,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         }
     }
     Some(Policy {
-        ietf: IetfTexts::new(name, &limits),
+        ietf: IetfTexts::new(name, DEFAULT_PLAN, &limits),
         x_heads: limits
             .iter()
             .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))

@@ -73,7 +73,8 @@ pub struct State {
     /// others share the proxy's client.
     clients: HashMap<Arc<str>, UpstreamClient>,
     /// Each policy's `sluice_decisions_total` counters, by [`addr`] of its
-    /// `Arc<Policy>` (routes share the config's).
+    /// `Arc<Policy>` (routes share the config's; each plan of a policy is an
+    /// `Arc<Policy>` of its own, counted under its `plan` label).
     decisions: HashMap<usize, DecisionCounters, foldhash::fast::RandomState>,
     /// Each route's `sluice_requests_total` counters, by [`addr`] of its
     /// name (an `Arc<str>` the router's copy of the route shares): every
@@ -115,7 +116,7 @@ impl State {
         let decisions = config
             .policies
             .iter()
-            .map(|p| (addr(p), metrics.decision_counters(&p.name)))
+            .map(|p| (addr(p), metrics.decision_counters(&p.name, &p.plan)))
             .collect();
         let requests = config
             .routes
@@ -546,11 +547,13 @@ impl Proxy {
                 Ok(Verdict::Limited { binding: b }) => {
                     ctx.decision = "limited";
                     state.count_decision(policy, 2);
+                    let limits = Limits::new(config.headers, policy, b);
                     let resp = ProxyError::Limited {
-                        retry_after: b.retry_ms.div_ceil(1000).max(1),
+                        retry_after: ratelimit_headers::retry_after(&b),
+                        violated: limits.as_ref().and_then(Limits::violated),
                     }
                     .response();
-                    ctx.limits = Limits::new(config.headers, policy, b);
+                    ctx.limits = limits;
                     return Ok(resp);
                 }
                 Ok(Verdict::TooManyValues) => {

@@ -1,12 +1,18 @@
 //! The rate-limit headers a client sees, in the configured style.
 //!
 //! - `x-ratelimit`: `X-RateLimit-Limit`, `-Remaining`, `-Reset` (unix seconds).
-//! - `ietf`: draft-ietf-httpapi-ratelimit-headers-10: `RateLimit-Policy` lists
-//!   every limit of the policy as `"name";q=LIMIT;w=WINDOW_SECONDS`, and
-//!   `RateLimit` gives the binding one as `"name";r=REMAINING;t=SECONDS_TO_RESET`.
+//! - `ietf`: draft-ietf-httpapi-ratelimit-headers-11: `RateLimit-Policy` lists
+//!   every limit of the plan in force as `"name";q=LIMIT;w=WINDOW_SECONDS`
+//!   (see `config::IetfTexts`), and `RateLimit` gives the binding one as
+//!   `"name";r=AVAILABLE;t=EFFECTIVE_WINDOW_SECONDS`.
 //!
 //! Resets are rounded up to whole seconds: a fixed window of a second or more
 //! ends on a whole second, so every response of one window shows the same value.
+//! `t` is -11's effective window (section 4.1.2), the time in which the client
+//! can use no more than `r`: the time to the counter's reset while allowed,
+//! and on a denial (`r=0`) the time until the request would pass, which is
+//! `Retry-After` itself (section 6: Retry-After is never earlier than the end
+//! of the effective window).
 //!
 //! A decision's fields travel beside the answer as [`Limits`] and are written
 //! where the answer is: sluice's own HTTP/1.1 front writes them as text after
@@ -83,22 +89,30 @@ impl Limits {
         let b = &self.binding;
         if self.ietf() {
             let texts = &self.policy.ietf;
-            field(&POLICY, texts.lists[b.index].as_bytes());
-            let t = b.reset_in_ms.div_ceil(1000);
+            field(&POLICY, texts.list(b.index).as_bytes());
             let t = if b.retry_ms > 0 {
-                t.max(b.retry_ms.div_ceil(1000)).max(1)
+                retry_after(b)
             } else {
-                t
+                b.reset_in_ms.div_ceil(1000)
             };
             let mut value: SmallVec<[u8; 128]> = SmallVec::new();
             let mut digits = itoa::Buffer::new();
-            value.extend_from_slice(texts.names[b.index].as_bytes());
+            value.extend_from_slice(texts.name(b.index).as_bytes());
             value.extend_from_slice(b";r=");
             value.extend_from_slice(digits.format(b.remaining).as_bytes());
             value.extend_from_slice(b";t=");
             value.extend_from_slice(digits.format(t).as_bytes());
             field(&RATELIMIT, &value);
         }
+    }
+
+    /// The names of the items that refused, for a 429's `violated-policies`,
+    /// when the style is the IETF one; `None` otherwise (the body stays the
+    /// plain one).
+    pub fn violated(&self) -> Option<Vec<String>> {
+        let b = &self.binding;
+        self.ietf()
+            .then(|| self.policy.ietf.violated(b.refused, b.index))
     }
 
     /// Writes the fields as HTTP/1.1 head lines (`name: value\r\n`), as
@@ -136,6 +150,11 @@ impl Limits {
     }
 }
 
+/// A denial's `Retry-After` in whole seconds: rounded up, never 0.
+pub fn retry_after(b: &Binding) -> u64 {
+    b.retry_ms.div_ceil(1000).max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +184,7 @@ limits = [{ limit = 5, window = "1s" }, { limit = 700, window = "1h" }]
                 reset_in_ms: 999,
                 retry_ms: 0,
                 index,
+                refused: 0,
             };
             let limits = Limits::new(style, &policy, binding).expect("a style with fields");
             let mut fast = Vec::new();
