@@ -628,4 +628,35 @@ limits = [
         );
         assert!(ietf.lists[2].starts_with(r#""a\"b-1h";q=100;w=3600, "a\"b-1m-0""#));
     }
+
+    #[test]
+    fn ietf_texts_name_the_plan_and_describe_one_without_limits() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.api]
+limits = [{ limit = 1000, window = "1m" }, { limit = 5, window = "250ms" }]
+"#;
+        let config = parse(text, "test.toml", Path::new(".")).expect("valid");
+        let limits = &config.policies[0].limits;
+        // The default plan keeps the names it always had.
+        let default = IetfTexts::new("api", DEFAULT_PLAN, limits);
+        assert_eq!(default.ids, ["api-1m", "api-250ms"]);
+        // A named plan's items say the plan; a window under a second is w=1.
+        let gold = IetfTexts::new("api", "gold", limits);
+        assert_eq!(gold.ids, ["api-gold-1m", "api-gold-250ms"]);
+        assert_eq!(
+            gold.list(1),
+            r#""api-gold-250ms";q=5;w=1, "api-gold-1m";q=1000;w=60"#
+        );
+        assert_eq!(gold.violated(0b11, 0), ["api-gold-1m", "api-gold-250ms"]);
+        assert_eq!(gold.violated(0, 1), ["api-gold-250ms"]);
+        // A plan that refuses everything still has one item: quota 0.
+        let blocked = IetfTexts::new("api", "blocked", &[]);
+        assert_eq!(blocked.names, [r#""api-blocked""#]);
+        assert_eq!(blocked.list(0), r#""api-blocked";q=0"#);
+        assert_eq!(blocked.name(3), r#""api-blocked""#);
+        assert_eq!(blocked.list(3), r#""api-blocked";q=0"#);
+        assert_eq!(blocked.violated(0, 0), ["api-blocked"]);
+    }
 }

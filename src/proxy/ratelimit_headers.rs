@@ -201,4 +201,104 @@ limits = [{ limit = 5, window = "1s" }, { limit = 700, window = "1h" }]
             assert_eq!(String::from_utf8_lossy(&fast).contains(&limit_line), has_x);
         }
     }
+
+    fn fields(limits: &Limits) -> Vec<(String, String)> {
+        let mut all = Vec::new();
+        limits.each(|name, value| {
+            all.push((
+                name.to_string(),
+                String::from_utf8_lossy(value).into_owned(),
+            ))
+        });
+        all
+    }
+
+    #[test]
+    fn a_denials_effective_window_is_its_retry_after() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.p]
+limits = [{ limit = 2, window = "10s", algorithm = "gcra", burst = 2 }]
+"#;
+        let config = crate::config::parse(text, "test.toml", Path::new(".")).expect("valid");
+        let policy = config.policies.into_iter().next().expect("a policy");
+        // A gcra denial: the bucket empties in 10 s, one more request
+        // passes in 5 s.
+        let binding = Binding {
+            limit: 2,
+            window_ms: 10_000,
+            remaining: 0,
+            reset_ms: 1_700_000_010_000,
+            reset_in_ms: 10_000,
+            retry_ms: 4_200,
+            index: 0,
+            refused: 1,
+        };
+        let limits = Limits::new(HeaderStyle::Ietf, &policy, binding).expect("fields");
+        assert_eq!(retry_after(&binding), 5);
+        assert_eq!(
+            fields(&limits),
+            [
+                ("ratelimit-policy".into(), r#""p-10s";q=2;w=10"#.into()),
+                ("ratelimit".into(), r#""p-10s";r=0;t=5"#.into()),
+            ]
+        );
+        assert_eq!(limits.violated(), Some(vec!["p-10s".to_string()]));
+        let plain = Limits::new(HeaderStyle::XRateLimit, &policy, binding).expect("fields");
+        assert_eq!(plain.violated(), None);
+    }
+
+    #[test]
+    fn a_plan_without_limits_gets_well_formed_fields() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.p]
+limits = [{ limit = 5, window = "1s" }]
+"#;
+        let config = crate::config::parse(text, "test.toml", Path::new(".")).expect("valid");
+        let own = &config.policies[0];
+        // A plan with `limits = []`, as the limiter answers it: nothing
+        // counted, so the binding is the limiter's empty one.
+        let blocked = Arc::new(Policy {
+            name: own.name.clone(),
+            plan: Arc::from("blocked"),
+            ipv6_prefix: own.ipv6_prefix,
+            charge: own.charge,
+            refund: own.refund.clone(),
+            mode: own.mode,
+            limits: Vec::new(),
+            specs: Vec::new(),
+            ietf: crate::config::IetfTexts::new(&own.name, "blocked", &[]),
+            x_heads: Vec::new(),
+        });
+        let binding = Binding {
+            limit: 0,
+            window_ms: 0,
+            remaining: 0,
+            reset_ms: 1_700_000_000_000,
+            reset_in_ms: 0,
+            retry_ms: 60_000,
+            index: 0,
+            refused: 0,
+        };
+        let limits = Limits::new(HeaderStyle::Both, &blocked, binding).expect("fields");
+        assert_eq!(
+            fields(&limits),
+            [
+                ("x-ratelimit-limit".into(), "0".into()),
+                ("x-ratelimit-remaining".into(), "0".into()),
+                ("x-ratelimit-reset".into(), "1700000000".into()),
+                ("ratelimit-policy".into(), r#""p-blocked";q=0"#.into()),
+                ("ratelimit".into(), r#""p-blocked";r=0;t=60"#.into()),
+            ]
+        );
+        let mut fast = Vec::new();
+        limits.write_lines(&mut fast);
+        let mut slow = Vec::new();
+        limits.each(|name, value| line(&mut slow, name.as_str().as_bytes(), value));
+        assert_eq!(fast, slow);
+        assert_eq!(limits.violated(), Some(vec!["p-blocked".to_string()]));
+    }
 }
