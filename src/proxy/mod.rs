@@ -1005,3 +1005,48 @@ fn fields<'a>(req: &'a Request<RequestBody>, head: Option<&'a HeadFields>) -> Fi
 fn log_store_error(e: &StoreError) {
     crate::store::log_error(e, "rate-limit store call failed");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decisions_are_counted_by_policy_and_plan() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.api]
+limits = [{ limit = 5, window = "1m" }]
+"#;
+        let mut config =
+            crate::config::parse(text, "test.toml", std::path::Path::new(".")).expect("valid");
+        let own = config.policies[0].clone();
+        // A named plan is a policy value of its own, with the same name.
+        let gold = Arc::new(Policy {
+            name: own.name.clone(),
+            plan: Arc::from("gold"),
+            ipv6_prefix: own.ipv6_prefix,
+            charge: own.charge,
+            refund: own.refund.clone(),
+            mode: own.mode,
+            limits: own.limits.clone(),
+            specs: own.specs.clone(),
+            ietf: crate::config::IetfTexts::new(&own.name, "gold", &own.limits),
+            x_heads: own.x_heads.clone(),
+        });
+        config.policies.push(gold.clone());
+        let metrics = Metrics::default();
+        let state = State::new(config, &metrics).expect("a state");
+        state.count_decision(&own, 0);
+        state.count_decision(&gold, 2);
+        state.count_decision(&gold, 2);
+        let text = metrics.render();
+        for sample in [
+            r#"sluice_decisions_total{policy="api",plan="default",outcome="allowed"} 1"#,
+            r#"sluice_decisions_total{policy="api",plan="gold",outcome="limited"} 2"#,
+            r#"sluice_decisions_total{policy="api",plan="gold",outcome="allowed"} 0"#,
+        ] {
+            assert!(text.lines().any(|l| l == sample), "{sample} in\n{text}");
+        }
+    }
+}
