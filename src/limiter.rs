@@ -59,6 +59,9 @@ pub struct Binding {
     pub retry_ms: u64,
     /// Index of the limit in its policy.
     pub index: usize,
+    /// On a denial, the limits that refused: bit `i` for limit `i` (limits
+    /// past the 64th are not marked). 0 when allowed.
+    pub refused: u64,
 }
 
 /// What the limiter says about a request.
@@ -265,6 +268,8 @@ impl Limiter {
                 reset_in_ms: BLOCKED_RETRY_MS,
                 retry_ms: BLOCKED_RETRY_MS,
                 index: 0,
+                // The plan's one item (`q=0`) is what refused.
+                refused: 1,
             };
             return Ok(match policy.mode {
                 Mode::Enforce => Verdict::Limited { binding },
@@ -300,6 +305,7 @@ impl Limiter {
                 reset_in_ms: s.reset_ms.saturating_sub(outcome.now_ms),
                 retry_ms: s.retry_ms,
                 index: limit_of[i],
+                refused: 0,
             }
         };
         if let (Some(cache), false) = (cache, outcome.allowed) {
@@ -330,7 +336,13 @@ impl Limiter {
             reset_in_ms: 0,
             retry_ms: 0,
             index: 0,
+            refused: 0,
         });
+        // Every limit that refused, for the 429's `violated-policies`.
+        let refused = (0..counters.len())
+            .filter(|&i| outcome.states[i].retry_ms > 0 && limit_of[i] < 64)
+            .fold(0u64, |mask, i| mask | 1 << limit_of[i]);
+        let binding = Binding { refused, ..binding };
         let ticket = Ticket {
             counters: set,
             marks: outcome.marks,

@@ -1,7 +1,9 @@
 //! Prometheus metrics, served as text on the admin listener's `/metrics`.
 //!
 //! Names (all prefixed `sluice_`): `requests_total{route,status}`,
-//! `decisions_total{policy,outcome}` (outcome: allowed, limited,
+//! `decisions_total{policy,plan,outcome}` (plan: the plan in force, `default`
+//! for a policy's own limits: plan names only, never identity values, so the
+//! series stay bounded by the config; outcome: allowed, limited,
 //! shadow_limited, store_error), `refunds_total{policy}`, `store_errors_total`,
 //! `store_call_seconds` and `upstream_seconds{upstream}` (histograms),
 //! `config_reloads_total{result}`, `underscore_headers_total{action}`
@@ -36,6 +38,7 @@ pub struct RouteStatus {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyOutcome {
     pub policy: Name,
+    pub plan: Name,
     pub outcome: &'static str,
 }
 
@@ -91,7 +94,7 @@ impl Default for Metrics {
         registry.register("requests", "Requests by route and status", requests.clone());
         registry.register(
             "decisions",
-            "Limiter decisions by policy and outcome",
+            "Limiter decisions by policy, plan and outcome",
             decisions.clone(),
         );
         registry.register("refunds", "Charges given back, by policy", refunds.clone());
@@ -181,11 +184,13 @@ impl RouteCounters {
 }
 
 impl Metrics {
-    pub fn decision_counters(&self, policy: &Arc<str>) -> DecisionCounters {
+    /// The counters of one plan of a policy.
+    pub fn decision_counters(&self, policy: &Arc<str>, plan: &Arc<str>) -> DecisionCounters {
         OUTCOMES.map(|outcome| {
             self.decisions
                 .get_or_create(&PolicyOutcome {
                     policy: Name(policy.clone()),
+                    plan: Name(plan.clone()),
                     outcome,
                 })
                 .clone()

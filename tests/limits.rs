@@ -521,8 +521,9 @@ async fn shadow_mode_counts_but_never_rejects() {
     }
     assert_eq!(up.hits(), 3);
     // A metric counts the would-be rejections.
-    let sample =
-        |outcome: &str| format!("sluice_decisions_total{{policy=\"p\",outcome=\"{outcome}\"}}");
+    let sample = |outcome: &str| {
+        format!("sluice_decisions_total{{policy=\"p\",plan=\"default\",outcome=\"{outcome}\"}}")
+    };
     assert_eq!(s.metric(&sample("allowed")).await, 1.0);
     assert_eq!(s.metric(&sample("shadow_limited")).await, 2.0);
     assert_eq!(s.metric(&sample("limited")).await, 0.0);
@@ -582,6 +583,82 @@ async fn the_proxys_rate_limit_fields_replace_the_upstreams() {
     assert_eq!(one.header("x-ratelimit-scope"), Some("upstream"));
     assert_eq!(two.header("x-ratelimit-scope"), Some("upstream"));
     assert_eq!(&one.body[..], b"claims");
+}
+
+#[tokio::test]
+async fn the_429_body_names_the_violated_policies_in_the_ietf_styles_only() {
+    let up = Upstream::start().await;
+    for style in ["x-ratelimit", "ietf", "both", "none"] {
+        // Two limits refuse the second request, the third does not.
+        let s = start(
+            &up,
+            &format!(
+                "[headers]\nstyle = \"{style}\"\n[policies.p]\nlimits = [\n\
+                 {{ limit = 1, window = \"1m\" }},\n\
+                 {{ limit = 100, window = \"1d\" }},\n\
+                 {{ limit = 1, window = \"1h\" }},\n]"
+            ),
+            "[[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"",
+            3_600_000,
+        )
+        .await;
+        assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+        let denied = get(&s.url("/"), &[]).await;
+        assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS, "{style}");
+        assert_eq!(
+            denied.header("content-type"),
+            Some("application/problem+json")
+        );
+        let retry = denied.header_u64("retry-after");
+        let detail = format!("rate limit exceeded; retry in {retry} s");
+        let expected = match style {
+            "ietf" | "both" => serde_json::json!({
+                "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
+                "title": "Quota Exceeded",
+                "status": 429,
+                "detail": detail,
+                "violated-policies": ["p-1m", "p-1h"],
+            }),
+            _ => serde_json::json!({
+                "type": "about:blank",
+                "title": "Too Many Requests",
+                "status": 429,
+                "detail": detail,
+            }),
+        };
+        assert_eq!(denied.json(), expected, "{style}");
+        if style != "x-ratelimit" && style != "none" {
+            // -11: the effective window of a denial ends when Retry-After does.
+            let ratelimit = denied.header("ratelimit").expect("RateLimit");
+            assert!(
+                ratelimit.ends_with(&format!(";r=0;t={retry}")),
+                "{ratelimit}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_denials_effective_window_never_outlasts_retry_after() {
+    let up = Upstream::start().await;
+    // gcra: the bucket is empty again in 10 s, the next request passes in 5.
+    let s = start(
+        &up,
+        "[headers]\nstyle = \"ietf\"\n[policies.p]\n\
+         limits = [{ limit = 2, window = \"10s\", algorithm = \"gcra\", burst = 2 }]",
+        "[[routes]]\npath = \"/\"\nupstream = \"api\"\npolicy = \"p\"",
+        10_000,
+    )
+    .await;
+    for _ in 0..2 {
+        assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
+    }
+    let denied = get(&s.url("/"), &[]).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(denied.header_u64("retry-after"), 5);
+    assert_eq!(denied.header("ratelimit"), Some("\"p-10s\";r=0;t=5"));
+    s.clock.advance(std::time::Duration::from_secs(5));
+    assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);
 }
 
 #[tokio::test]

@@ -330,7 +330,13 @@ async fn ietf_headers_put_the_denying_limit_first_on(redis: TestRedis) {
         .unwrap()
         .parse()
         .unwrap();
-    assert!(denied.header_u64("retry-after") >= t);
+    // -11: on a denial the effective window ends when Retry-After does.
+    assert_eq!(denied.header_u64("retry-after"), t);
+    // Only the limit that refused is named in the problem body.
+    assert_eq!(
+        denied.json()["violated-policies"],
+        serde_json::json!(["p-10s"])
+    );
     s.clock
         .advance(Duration::from_secs(denied.header_u64("retry-after")));
     assert_eq!(get(&s.url("/"), &[]).await.status, StatusCode::OK);

@@ -836,7 +836,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         plan_key,
         plan_header,
         assign: Default::default(),
-        ietf: IetfTexts::new(name, &[]),
+        ietf: IetfTexts::new(name, DEFAULT_PLAN, &[]),
         x_heads: Vec::new(),
     }
     .variant(DEFAULT_PLAN, limits);

@@ -328,14 +328,8 @@ impl Policy {
                 specs.push(spec.clone());
             }
         }
-        // The IETF names say the plan when it is not the default.
-        let label = if plan == DEFAULT_PLAN {
-            self.name.to_string()
-        } else {
-            format!("{}-{plan}", self.name)
-        };
         Policy {
-            ietf: IetfTexts::new(&label, &limits),
+            ietf: IetfTexts::new(&self.name, plan, &limits),
             x_heads: limits
                 .iter()
                 .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))
@@ -361,64 +355,126 @@ impl Policy {
     }
 }
 
-/// What the IETF rate-limit headers (`RateLimit-Policy`, `RateLimit`) say
-/// of a policy that does not change from one answer to the next. Made per
-/// answer, they cost as much as the rest of a request.
+/// What the IETF rate-limit headers (`RateLimit-Policy`, `RateLimit`, of
+/// draft-ietf-httpapi-ratelimit-headers-11) say of a plan that does not
+/// change from one answer to the next. Made per answer, they cost as much as
+/// the rest of a request.
+///
+/// There is always at least one item: a plan without limits (one that
+/// refuses everything) is described as one item of quota 0 and no window,
+/// `"policy-plan";q=0`, since the draft's `RateLimit-Policy` is a non-empty
+/// list and `q=0` is what such a plan grants.
 #[derive(Debug)]
 pub struct IetfTexts {
-    /// Each limit's name as a structured-field string: `"policy-window"`
-    /// (`"standard-1m"`), with `-INDEX` when two limits share a window.
+    /// Each item's name as the client reads it: `policy-window`
+    /// (`standard-1m`) for the policy's own limits, `policy-plan-window`
+    /// (`api-gold-1m`) for a named plan's, with `-INDEX` when two limits
+    /// share a window; printable ASCII only. The 429 body's
+    /// `violated-policies` lists these.
+    pub ids: Vec<String>,
+    /// The same names as structured-field strings (quoted, escaped).
     pub names: Vec<String>,
-    /// For each limit, the `RateLimit-Policy` value that lists it first (on a
+    /// For each item, the `RateLimit-Policy` value that lists it first (on a
     /// 429 the binding limit is the one that denied), then the others:
     /// `"name";q=LIMIT;w=WINDOW_SECONDS, ...`.
     pub lists: Vec<String>,
 }
 
 impl IetfTexts {
-    fn new(policy: &str, limits: &[Limit]) -> IetfTexts {
-        let names: Vec<String> = (0..limits.len())
-            .map(|i| item_name(policy, limits, i))
-            .collect();
-        let item = |i: usize| {
-            let l = &limits[i];
-            format!(
+    /// The texts of `limits`, plan `plan` of policy `policy`.
+    pub fn new(policy: &str, plan: &str, limits: &[Limit]) -> IetfTexts {
+        let prefix = if plan == DEFAULT_PLAN {
+            policy.to_string()
+        } else {
+            format!("{policy}-{plan}")
+        };
+        let ids: Vec<String> = if limits.is_empty() {
+            vec![printable(&prefix)]
+        } else {
+            (0..limits.len())
+                .map(|i| item_id(&prefix, limits, i))
+                .collect()
+        };
+        let names: Vec<String> = ids.iter().map(|id| sf_string(id)).collect();
+        let item = |i: usize| match limits.get(i) {
+            Some(l) => format!(
                 "{};q={};w={}",
                 names[i],
                 l.limit,
-                (l.window.as_millis() as u64).div_ceil(1000)
-            )
+                // A window under a second is shown as one: w is a positive
+                // whole number of seconds.
+                (l.window.as_millis() as u64).div_ceil(1000).max(1)
+            ),
+            None => format!("{};q=0", names[i]),
         };
-        let lists = (0..limits.len())
+        let lists = (0..names.len())
             .map(|first| {
                 std::iter::once(first)
-                    .chain((0..limits.len()).filter(|&i| i != first))
+                    .chain((0..names.len()).filter(|&i| i != first))
                     .map(item)
                     .collect::<Vec<_>>()
                     .join(", ")
             })
             .collect();
-        IetfTexts { names, lists }
+        IetfTexts { ids, names, lists }
+    }
+
+    /// Item `i`'s structured-field name; the first item's if there is no
+    /// such item.
+    pub fn name(&self, i: usize) -> &str {
+        self.names.get(i).or(self.names.first()).map_or("", |s| s)
+    }
+
+    /// The `RateLimit-Policy` value that lists item `i` first (see
+    /// [`IetfTexts::name`] for an `i` out of range).
+    pub fn list(&self, i: usize) -> &str {
+        self.lists.get(i).or(self.lists.first()).map_or("", |s| s)
+    }
+
+    /// The names of the items whose bit is set in `refused` (bit `i`: item
+    /// `i`), or item `binding`'s alone when none is.
+    pub fn violated(&self, refused: u64, binding: usize) -> Vec<String> {
+        let named: Vec<String> = (self.ids.iter().enumerate())
+            .filter(|(i, _)| *i < 64 && refused & (1 << i) != 0)
+            .map(|(_, id)| id.clone())
+            .collect();
+        if !named.is_empty() {
+            return named;
+        }
+        let id = self.ids.get(binding).or(self.ids.first());
+        id.into_iter().cloned().collect()
     }
 }
 
-/// A structured-field string naming limit `i` of a policy.
-fn item_name(policy: &str, limits: &[Limit], i: usize) -> String {
+/// The name of limit `i` of a plan whose names start with `prefix`.
+fn item_id(prefix: &str, limits: &[Limit], i: usize) -> String {
     let window = limits[i].window;
-    let mut name = format!("{policy}-{}", duration::format(window));
+    let mut name = format!("{prefix}-{}", duration::format(window));
     if limits.iter().filter(|o| o.window == window).count() > 1 {
         name += &format!("-{i}");
     }
-    // sf-string allows printable ASCII; escape quotes and backslashes.
-    let escaped: String = name
-        .chars()
-        .filter(|c| (' '..='~').contains(c))
-        .flat_map(|c| match c {
-            '"' | '\\' => vec!['\\', c],
-            c => vec![c],
-        })
-        .collect();
-    format!("\"{escaped}\"")
+    printable(&name)
+}
+
+/// `text` without what a structured-field string cannot hold (anything but
+/// printable ASCII).
+fn printable(text: &str) -> String {
+    text.chars().filter(|c| (' '..='~').contains(c)).collect()
+}
+
+/// `text` (printable ASCII) as a structured-field string: quoted, with
+/// quotes and backslashes escaped.
+fn sf_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -656,5 +712,36 @@ limits = [
             r#""a\"b-1m-1";q=7;w=60, "a\"b-1m-0";q=5;w=60, "a\"b-1h";q=100;w=3600"#
         );
         assert!(ietf.lists[2].starts_with(r#""a\"b-1h";q=100;w=3600, "a\"b-1m-0""#));
+    }
+
+    #[test]
+    fn ietf_texts_name_the_plan_and_describe_one_without_limits() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.api]
+limits = [{ limit = 1000, window = "1m" }, { limit = 5, window = "250ms" }]
+"#;
+        let config = parse(text, "test.toml", Path::new(".")).expect("valid");
+        let limits = &config.policies[0].limits;
+        // The default plan keeps the names it always had.
+        let default = IetfTexts::new("api", DEFAULT_PLAN, limits);
+        assert_eq!(default.ids, ["api-1m", "api-250ms"]);
+        // A named plan's items say the plan; a window under a second is w=1.
+        let gold = IetfTexts::new("api", "gold", limits);
+        assert_eq!(gold.ids, ["api-gold-1m", "api-gold-250ms"]);
+        assert_eq!(
+            gold.list(1),
+            r#""api-gold-250ms";q=5;w=1, "api-gold-1m";q=1000;w=60"#
+        );
+        assert_eq!(gold.violated(0b11, 0), ["api-gold-1m", "api-gold-250ms"]);
+        assert_eq!(gold.violated(0, 1), ["api-gold-250ms"]);
+        // A plan that refuses everything still has one item: quota 0.
+        let blocked = IetfTexts::new("api", "blocked", &[]);
+        assert_eq!(blocked.names, [r#""api-blocked""#]);
+        assert_eq!(blocked.list(0), r#""api-blocked";q=0"#);
+        assert_eq!(blocked.name(3), r#""api-blocked""#);
+        assert_eq!(blocked.list(3), r#""api-blocked";q=0"#);
+        assert_eq!(blocked.violated(0, 0), ["api-blocked"]);
     }
 }

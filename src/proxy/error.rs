@@ -7,6 +7,10 @@ use http::{Response, StatusCode};
 
 use super::Body;
 
+/// The problem type of draft-ietf-httpapi-ratelimit-headers-11, section 5.1
+/// (registered in its section 10.2.1 with the title "Quota Exceeded").
+pub const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     #[error("no route matches this request")]
@@ -26,8 +30,14 @@ pub enum ProxyError {
     MixedPlans,
     #[error("request headers are larger than {0} bytes")]
     HeadersTooLarge(usize),
+    /// `violated`: with the IETF header style, the names of the
+    /// `RateLimit-Policy` items that refused; the body is then the draft's
+    /// `quota-exceeded` problem (see [`QUOTA_EXCEEDED`]).
     #[error("rate limit exceeded; retry in {retry_after} s")]
-    Limited { retry_after: u64 },
+    Limited {
+        retry_after: u64,
+        violated: Option<Vec<String>>,
+    },
     #[error("the rate-limit store is unavailable")]
     StoreUnavailable,
     #[error("the upstream could not be reached")]
@@ -79,12 +89,24 @@ impl ProxyError {
     /// The problem+json response for this error.
     pub fn response(&self) -> Response<Body> {
         let status = self.status();
-        let body = serde_json::json!({
-            "type": "about:blank",
-            "title": status.canonical_reason().unwrap_or("Error"),
-            "status": status.as_u16(),
-            "detail": self.to_string(),
-        });
+        let body = match self {
+            ProxyError::Limited {
+                violated: Some(violated),
+                ..
+            } => serde_json::json!({
+                "type": QUOTA_EXCEEDED,
+                "title": "Quota Exceeded",
+                "status": status.as_u16(),
+                "detail": self.to_string(),
+                "violated-policies": violated,
+            }),
+            _ => serde_json::json!({
+                "type": "about:blank",
+                "title": status.canonical_reason().unwrap_or("Error"),
+                "status": status.as_u16(),
+                "detail": self.to_string(),
+            }),
+        };
         let mut resp = Response::new(Body::Right(http_body_util::Full::new(Bytes::from(
             body.to_string(),
         ))));
@@ -95,7 +117,7 @@ impl ProxyError {
             HeaderValue::from_static("application/problem+json"),
         );
         match self {
-            ProxyError::Limited { retry_after } => {
+            ProxyError::Limited { retry_after, .. } => {
                 headers.insert(RETRY_AFTER, HeaderValue::from(*retry_after));
             }
             ProxyError::StoreUnavailable | ProxyError::ClientBusy(_) => {

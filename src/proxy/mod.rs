@@ -73,7 +73,8 @@ pub struct State {
     /// others share the proxy's client.
     clients: HashMap<Arc<str>, UpstreamClient>,
     /// Each policy's `sluice_decisions_total` counters, by [`addr`] of its
-    /// `Arc<Policy>` (routes share the config's).
+    /// `Arc<Policy>` (routes share the config's; each plan of a policy is an
+    /// `Arc<Policy>` of its own, counted under its `plan` label).
     decisions: HashMap<usize, DecisionCounters, foldhash::fast::RandomState>,
     /// Each route's `sluice_requests_total` counters, by [`addr`] of its
     /// name (an `Arc<str>` the router's copy of the route shares): every
@@ -118,7 +119,7 @@ impl State {
             .policies
             .iter()
             .flat_map(|p| std::iter::once(p).chain(&p.plans))
-            .map(|p| (addr(p), metrics.decision_counters(&p.name)))
+            .map(|p| (addr(p), metrics.decision_counters(&p.name, &p.plan)))
             .collect();
         let requests = config
             .routes
@@ -567,14 +568,13 @@ impl Proxy {
                 Ok(Verdict::Limited { binding: b }) => {
                     ctx.decision = "limited";
                     state.count_decision(policy, 2);
+                    let limits = Limits::new(config.headers, policy, b);
                     let resp = ProxyError::Limited {
-                        retry_after: b.retry_ms.div_ceil(1000).max(1),
+                        retry_after: ratelimit_headers::retry_after(&b),
+                        violated: limits.as_ref().and_then(Limits::violated),
                     }
                     .response();
-                    // A plan with no limits has no fields to show.
-                    if !policy.limits.is_empty() {
-                        ctx.limits = Limits::new(config.headers, policy, b);
-                    }
+                    ctx.limits = limits;
                     return Ok(resp);
                 }
                 Ok(Verdict::TooManyValues) => {
@@ -624,9 +624,7 @@ impl Proxy {
             }
         }
         let resp = outcome?;
-        if let (Some(b), Some(policy)) = (binding, plan)
-            && !policy.limits.is_empty()
-        {
+        if let (Some(b), Some(policy)) = (binding, plan) {
             ctx.limits = Limits::new(config.headers, policy, b);
         }
         Ok(resp)
@@ -1027,4 +1025,38 @@ fn fields<'a>(req: &'a Request<RequestBody>, head: Option<&'a HeadFields>) -> Fi
 
 fn log_store_error(e: &StoreError) {
     crate::store::log_error(e, "rate-limit store call failed");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decisions_are_counted_by_policy_and_plan() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.api]
+limits = [{ limit = 5, window = "1m" }]
+"#;
+        let mut config =
+            crate::config::parse(text, "test.toml", std::path::Path::new(".")).expect("valid");
+        let own = config.policies[0].clone();
+        // A named plan is a policy value of its own, with the same name.
+        let gold = Arc::new(own.variant("gold", own.limits.clone()));
+        config.policies.push(gold.clone());
+        let metrics = Metrics::default();
+        let state = State::new(config, &metrics).expect("a state");
+        state.count_decision(&own, 0);
+        state.count_decision(&gold, 2);
+        state.count_decision(&gold, 2);
+        let text = metrics.render();
+        for sample in [
+            r#"sluice_decisions_total{policy="api",plan="default",outcome="allowed"} 1"#,
+            r#"sluice_decisions_total{policy="api",plan="gold",outcome="limited"} 2"#,
+            r#"sluice_decisions_total{policy="api",plan="gold",outcome="allowed"} 0"#,
+        ] {
+            assert!(text.lines().any(|l| l == sample), "{sample} in\n{text}");
+        }
+    }
 }

@@ -1,12 +1,18 @@
 //! The rate-limit headers a client sees, in the configured style.
 //!
 //! - `x-ratelimit`: `X-RateLimit-Limit`, `-Remaining`, `-Reset` (unix seconds).
-//! - `ietf`: draft-ietf-httpapi-ratelimit-headers-10: `RateLimit-Policy` lists
-//!   every limit of the policy as `"name";q=LIMIT;w=WINDOW_SECONDS`, and
-//!   `RateLimit` gives the binding one as `"name";r=REMAINING;t=SECONDS_TO_RESET`.
+//! - `ietf`: draft-ietf-httpapi-ratelimit-headers-11: `RateLimit-Policy` lists
+//!   every limit of the plan in force as `"name";q=LIMIT;w=WINDOW_SECONDS`
+//!   (see `config::IetfTexts`), and `RateLimit` gives the binding one as
+//!   `"name";r=AVAILABLE;t=EFFECTIVE_WINDOW_SECONDS`.
 //!
 //! Resets are rounded up to whole seconds: a fixed window of a second or more
 //! ends on a whole second, so every response of one window shows the same value.
+//! `t` is -11's effective window (section 4.1.2), the time in which the client
+//! can use no more than `r`: the time to the counter's reset while allowed,
+//! and on a denial (`r=0`) the time until the request would pass, which is
+//! `Retry-After` itself (section 6: Retry-After is never earlier than the end
+//! of the effective window).
 //!
 //! A decision's fields travel beside the answer as [`Limits`] and are written
 //! where the answer is: sluice's own HTTP/1.1 front writes them as text after
@@ -83,22 +89,30 @@ impl Limits {
         let b = &self.binding;
         if self.ietf() {
             let texts = &self.policy.ietf;
-            field(&POLICY, texts.lists[b.index].as_bytes());
-            let t = b.reset_in_ms.div_ceil(1000);
+            field(&POLICY, texts.list(b.index).as_bytes());
             let t = if b.retry_ms > 0 {
-                t.max(b.retry_ms.div_ceil(1000)).max(1)
+                retry_after(b)
             } else {
-                t
+                b.reset_in_ms.div_ceil(1000)
             };
             let mut value: SmallVec<[u8; 128]> = SmallVec::new();
             let mut digits = itoa::Buffer::new();
-            value.extend_from_slice(texts.names[b.index].as_bytes());
+            value.extend_from_slice(texts.name(b.index).as_bytes());
             value.extend_from_slice(b";r=");
             value.extend_from_slice(digits.format(b.remaining).as_bytes());
             value.extend_from_slice(b";t=");
             value.extend_from_slice(digits.format(t).as_bytes());
             field(&RATELIMIT, &value);
         }
+    }
+
+    /// The names of the items that refused, for a 429's `violated-policies`,
+    /// when the style is the IETF one; `None` otherwise (the body stays the
+    /// plain one).
+    pub fn violated(&self) -> Option<Vec<String>> {
+        let b = &self.binding;
+        self.ietf()
+            .then(|| self.policy.ietf.violated(b.refused, b.index))
     }
 
     /// Writes the fields as HTTP/1.1 head lines (`name: value\r\n`), as
@@ -136,6 +150,11 @@ impl Limits {
     }
 }
 
+/// A denial's `Retry-After` in whole seconds: rounded up, never 0.
+pub fn retry_after(b: &Binding) -> u64 {
+    b.retry_ms.div_ceil(1000).max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +184,7 @@ limits = [{ limit = 5, window = "1s" }, { limit = 700, window = "1h" }]
                 reset_in_ms: 999,
                 retry_ms: 0,
                 index,
+                refused: 0,
             };
             let limits = Limits::new(style, &policy, binding).expect("a style with fields");
             let mut fast = Vec::new();
@@ -180,5 +200,94 @@ limits = [{ limit = 5, window = "1s" }, { limit = 700, window = "1h" }]
             let has_x = style != HeaderStyle::Ietf;
             assert_eq!(String::from_utf8_lossy(&fast).contains(&limit_line), has_x);
         }
+    }
+
+    fn fields(limits: &Limits) -> Vec<(String, String)> {
+        let mut all = Vec::new();
+        limits.each(|name, value| {
+            all.push((
+                name.to_string(),
+                String::from_utf8_lossy(value).into_owned(),
+            ))
+        });
+        all
+    }
+
+    #[test]
+    fn a_denials_effective_window_is_its_retry_after() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.p]
+limits = [{ limit = 2, window = "10s", algorithm = "gcra", burst = 2 }]
+"#;
+        let config = crate::config::parse(text, "test.toml", Path::new(".")).expect("valid");
+        let policy = config.policies.into_iter().next().expect("a policy");
+        // A gcra denial: the bucket empties in 10 s, one more request
+        // passes in 5 s.
+        let binding = Binding {
+            limit: 2,
+            window_ms: 10_000,
+            remaining: 0,
+            reset_ms: 1_700_000_010_000,
+            reset_in_ms: 10_000,
+            retry_ms: 4_200,
+            index: 0,
+            refused: 1,
+        };
+        let limits = Limits::new(HeaderStyle::Ietf, &policy, binding).expect("fields");
+        assert_eq!(retry_after(&binding), 5);
+        assert_eq!(
+            fields(&limits),
+            [
+                ("ratelimit-policy".into(), r#""p-10s";q=2;w=10"#.into()),
+                ("ratelimit".into(), r#""p-10s";r=0;t=5"#.into()),
+            ]
+        );
+        assert_eq!(limits.violated(), Some(vec!["p-10s".to_string()]));
+        let plain = Limits::new(HeaderStyle::XRateLimit, &policy, binding).expect("fields");
+        assert_eq!(plain.violated(), None);
+    }
+
+    #[test]
+    fn a_plan_without_limits_gets_well_formed_fields() {
+        let text = r#"
+[upstreams.api]
+url = "http://127.0.0.1:1"
+[policies.p]
+limits = [{ limit = 5, window = "1s" }]
+"#;
+        let config = crate::config::parse(text, "test.toml", Path::new(".")).expect("valid");
+        let own = &config.policies[0];
+        // A plan with `limits = []`, as the limiter answers it: nothing
+        // counted, so the binding is the limiter's empty one.
+        let blocked = Arc::new(own.variant("blocked", Vec::new()));
+        let binding = Binding {
+            limit: 0,
+            window_ms: 0,
+            remaining: 0,
+            reset_ms: 1_700_000_000_000,
+            reset_in_ms: 0,
+            retry_ms: 60_000,
+            index: 0,
+            refused: 0,
+        };
+        let limits = Limits::new(HeaderStyle::Both, &blocked, binding).expect("fields");
+        assert_eq!(
+            fields(&limits),
+            [
+                ("x-ratelimit-limit".into(), "0".into()),
+                ("x-ratelimit-remaining".into(), "0".into()),
+                ("x-ratelimit-reset".into(), "1700000000".into()),
+                ("ratelimit-policy".into(), r#""p-blocked";q=0"#.into()),
+                ("ratelimit".into(), r#""p-blocked";r=0;t=60"#.into()),
+            ]
+        );
+        let mut fast = Vec::new();
+        limits.write_lines(&mut fast);
+        let mut slow = Vec::new();
+        limits.each(|name, value| line(&mut slow, name.as_str().as_bytes(), value));
+        assert_eq!(fast, slow);
+        assert_eq!(limits.violated(), Some(vec!["p-blocked".to_string()]));
     }
 }

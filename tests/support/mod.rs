@@ -260,7 +260,7 @@ impl Sluice {
     }
 
     /// The value of one Prometheus sample, e.g.
-    /// `sluice_decisions_total{policy="p",outcome="allowed"}`; 0 if absent.
+    /// `sluice_decisions_total{policy="p",plan="default",outcome="allowed"}`; 0 if absent.
     pub async fn metric(&self, sample: &str) -> f64 {
         let text = get(&self.admin_url("/metrics"), &[]).await;
         let text = String::from_utf8_lossy(&text.body).into_owned();
