@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
-"""sluice against nginx, measured with wrk on this machine.
+"""sluice against nginx and haproxy, measured with wrk on this machine.
 
     python3 bench/bench.py [--rounds N] [--duration S] [--quick] [--no-pgo]
 
-Installs what it needs when missing (wrk, nginx, redis-server: Debian packages,
+Installs what it needs when missing (wrk, nginx, haproxy, redis-server: Debian packages,
 needs root), builds sluice in release mode and with profile-guided
 optimisation (bench/pgo.py, about 8 minutes; `--no-pgo` skips it and measures
 the plain build as sluice), then starts:
 
-  upstream      nginx, 1 worker, `return 200`                  (the API)
-  nginx         nginx, 1 worker, reverse proxy with a keep-alive pool
+  upstream      nginx, 1 worker, `return 200`                  (the API; its
+                stub_status, on a port of its own, counts the connections
+                each setup opens to it)
+  nginx         nginx, 1 worker, reverse proxy as its operators configure
+                it: an upstream keep-alive pool of 1024 (at least the
+                client concurrency), keepalive_requests 1000000 on both
+                sides, multi_accept, reuseport
   nginx-limit   the same with `limit_req` (local memory, never rejecting)
+  haproxy       haproxy, 1 process, 1 thread, `http-reuse always`
+  haproxy-limit the same with a stick-table counting each client address's
+                request rate and a deny rule it never reaches
   sluice        sluice, 1 worker, no policy (the PGO build, as every sluice
                 below but sluice-plain)
   sluice-plain  the same, built by `cargo build --release` alone
@@ -33,12 +41,17 @@ the plain build as sluice), then starts:
 interleaved, for several rounds, at -c50 and -c200. Then two runs of sluice with
 Redis: many distinct client identities (random X-Forwarded-For from a trusted
 peer), and most requests rejected (deny cache warm); and nginx and sluice (no
-policy) in pairs with requests that carry eight more fields, as browsers and API
+policy) with requests that carry eight more fields, as browsers and API
 clients send (wrk sends only Host). Reported per setup, as the
 median over rounds: req/s, p50, p99, proxy CPU µs per request (utime+stime of
 the proxy process over the run / requests), Redis CPU µs per request
-(redis-server's own CPU), Redis calls per request (INFO commandstats), and each
-figure as a ratio to nginx: the median of the ratios within each round (a round
+(redis-server's own CPU), Redis calls per request (INFO commandstats), the new
+connections the upstream accepted during the run (a setup that opens more
+than its client connections in a run is flagged `!`: under keep-alive load a
+well configured proxy opens none), and each figure as a ratio to the best
+peer for that figure (nginx or haproxy, whichever has the most req/s, the
+lowest p99, the least CPU; a flagged peer is not a reference): the median of
+the ratios within each round (a round
 runs the setups back to back, so its ratios are spared most of the drift a busy
 machine adds between rounds; each round starts one setup later than the one
 before, so no setup always runs first or after the same one), and the
@@ -78,6 +91,12 @@ REAL_FIELDS = [
     ("Referer", "https://example.com/app/page"),
     ("X-Request-Id", "7f9c2ba4-e88f-11ee-a6d2-0242ac120002"),
 ]
+# The peers sluice is measured against; each ratio is to the best of them
+# for that figure (the most req/s, the lowest p99, the least CPU).
+PEERS = ["nginx", "haproxy"]
+# The peers with a rate limit (never rejecting), for sluice's policies.
+LIMIT_PEERS = ["nginx-limit", "haproxy-limit"]
+FIGURES = {"rps": max, "p99": min, "cpu_us": min}
 POLICY = """limits = [
   { limit = 1000000000, window = "1s" },
   { limit = 1000000000, window = "1m" },
@@ -191,27 +210,103 @@ class Procs:
                 p.kill()
 
 
+# The largest client concurrency (wrk -c) the bench runs; the peers' upstream
+# keep-alive pools hold at least this many idle connections.
+MAX_CONNS = 1024
+
+
 def nginx_conf(dir_, port, body):
+    """One nginx worker as its operators tune it for keep-alive load: every
+    connection ready is accepted at once (`multi_accept`), a client
+    connection serves up to a million requests (the default, 1000, closes
+    wrk's connections every second or so) and may idle for five minutes."""
     conf = os.path.join(dir_, f"nginx-{port}.conf")
     with open(conf, "w") as f:
         f.write(f"""worker_processes 1;
 daemon off;
 pid {dir_}/nginx-{port}.pid;
 error_log {dir_}/nginx-{port}.log error;
-events {{ worker_connections 4096; }}
+events {{ worker_connections 8192; multi_accept on; }}
 http {{
   access_log off;
+  keepalive_requests 1000000;
+  keepalive_timeout 300s;
   {body}
 }}
 """)
     return conf
 
 
-def upstream_conf(dir_, port, tls=None):
+def upstream_conf(dir_, port, tls=None, status_port=None):
     """nginx as the API: one worker answering `200 ok`; over TLS when `tls`
-    is (certificate, key)."""
+    is (certificate, key). With `status_port`, its stub_status answers there
+    (its `accepts` counts the connections the proxies open to it)."""
     ssl = f" ssl; ssl_certificate {tls[0]}; ssl_certificate_key {tls[1]}" if tls else ""
-    return nginx_conf(dir_, port, f'server {{ listen 127.0.0.1:{port}{ssl}; location / {{ return 200 "ok"; }} }}')
+    status = (f" server {{ listen 127.0.0.1:{status_port}; location / {{ stub_status; }} }}"
+              if status_port else "")
+    return nginx_conf(dir_, port, f'server {{ listen 127.0.0.1:{port} reuseport{ssl}; '
+                                  f'location / {{ return 200 "ok"; }} }}{status}')
+
+
+def proxy_nginx_conf(dir_, port, up, limit=False):
+    """nginx as a reverse proxy to `up`, configured as its operators do: an
+    upstream keep-alive pool at least the client concurrency, a million
+    requests per upstream connection, HTTP/1.1 to the upstream with the
+    client's `Connection` field cleared (else the upstream connection is not
+    kept). With `limit`, `limit_req` by client address, never rejecting at
+    the bench's rates."""
+    zone = "limit_req_zone $binary_remote_addr zone=z:10m rate=100000000r/s; " if limit else ""
+    limit_req = "limit_req zone=z burst=100000000 nodelay; " if limit else ""
+    return nginx_conf(dir_, port,
+                      f"upstream api {{ server 127.0.0.1:{up}; keepalive {MAX_CONNS}; "
+                      f"keepalive_requests 1000000; keepalive_timeout 300s; }} {zone}"
+                      f"server {{ listen 127.0.0.1:{port} reuseport; location / {{ {limit_req}"
+                      f'proxy_pass http://api; proxy_http_version 1.1; proxy_set_header Connection ""; }} }}')
+
+
+def haproxy_conf(dir_, port, up, limit=False):
+    """haproxy as a reverse proxy to `up`, as its operators configure it for
+    keep-alive load: one process with one thread, HTTP mode, keep-alive on
+    both sides, idle server connections shared by every client
+    (`http-reuse always`) and kept while idle (`pool-purge-delay`). With
+    `limit`, a stick-table tracks each client address's request rate and a
+    rule denies above a rate the bench never reaches."""
+    conf = os.path.join(dir_, f"haproxy-{port}.cfg")
+    limit_rules = ("  stick-table type ip size 100k expire 60s store http_req_rate(1s)\n"
+                   "  http-request track-sc0 src\n"
+                   "  http-request deny deny_status 429 if { sc_http_req_rate(0) gt 100000000 }\n"
+                   if limit else "")
+    with open(conf, "w") as f:
+        f.write(f"""global
+  nbthread 1
+  maxconn 8000
+
+defaults
+  mode http
+  option http-keep-alive
+  http-reuse always
+  timeout connect 5s
+  timeout client 300s
+  timeout server 300s
+  timeout http-keep-alive 300s
+  timeout http-request 10s
+
+frontend fe
+  bind 127.0.0.1:{port}
+{limit_rules}  default_backend api
+
+backend api
+  server up 127.0.0.1:{up} pool-purge-delay 300s
+""")
+    return conf
+
+
+def stub_accepts(port):
+    """The upstream nginx's `accepts`: the connections it accepted so far,
+    this reading's own included."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
+        text = r.read().decode()
+    return int(text.split("\n")[2].split()[0])
 
 
 def redis_args(port):
@@ -303,7 +398,9 @@ def parse_wrk(out):
             "non2xx": int(non2xx.group(1)) if non2xx else 0, "errors": errors.group(1) if errors else ""}
 
 
-def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None):
+def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None, status_port=None):
+    """One wrk run; with `status_port` (the upstream's stub_status), also the
+    new connections the upstream accepted during it (`new_up`)."""
     args = ["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency"]
     if script:
         args += ["-s", script]
@@ -315,6 +412,7 @@ def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None
     user_before, sys_before = proxies_cpu()
     rbefore = cpu_seconds(redis_pid) if redis_pid else 0
     calls_before = evalsha_calls(redis_port) if redis_port else 0
+    accepts_before = stub_accepts(status_port) if status_port else 0
     out = subprocess.run(args + [url], capture_output=True, text=True, check=True).stdout
     r = parse_wrk(out)
     n = max(r["requests"], 1)
@@ -324,6 +422,8 @@ def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None
     r["cpu_us"] = r["user_us"] + r["sys_us"]
     r["redis_us"] = ((cpu_seconds(redis_pid) - rbefore) * 1e6 / n) if redis_pid else 0.0
     r["redis_calls"] = ((evalsha_calls(redis_port) - calls_before) / n) if redis_port else 0.0
+    # Less the reading's own connection to the status port.
+    r["new_up"] = (stub_accepts(status_port) - accepts_before - 1) if status_port else 0
     return r
 
 
@@ -345,7 +445,8 @@ def svg_plot(rows, path):
         out.append(f'<text x="{x - bar/2}" y="{base - hr - 4}" text-anchor="middle">{r["rps"]/1000:.1f}k</text>')
         out.append(f'<rect x="{x}" y="{base - hp}" width="{bar}" height="{hp}" fill="#ee7733"/>')
         out.append(f'<text x="{x + bar/2}" y="{base - hp - 4}" text-anchor="middle">{r["p99"]:.2f}ms</text>')
-        out.append(f'<text x="{x}" y="{base + 16}" text-anchor="middle">{r["setup"]}</text>')
+        label = r["setup"] + ("!" if r.get("flagged") else "")
+        out.append(f'<text x="{x}" y="{base + 16}" text-anchor="middle">{label}</text>')
     out.append(f'<line x1="{pad}" y1="{base}" x2="{w - pad}" y2="{base}" stroke="black"/>')
     out.append("</svg>")
     with open(path, "w") as f:
@@ -355,16 +456,25 @@ def svg_plot(rows, path):
 def targets(rows, extra, cost):
     """The performance targets, each with its figure from this run: met or not."""
     row = {(r["setup"], r["conns"]): r for r in rows}
-    out = ["targets (ratios are medians of each round's ratio):"]
+    out = ["targets (ratios are medians of each round's ratio; against a peer: the best peer for that figure):"]
 
     def check(ok, text):
         out.append(f"  [{'met' if ok else 'NOT met'}] {text}")
 
+    def against(r, peers):
+        return "; ".join(f"against {p}{' (misconfigured)' if row[(p, r['conns'])]['flagged'] else ''}: "
+                         f"req/s {r['vs'][p]['rps']:.2f}x, p99 {r['vs'][p]['p99']:.2f}x, "
+                         f"CPU {r['vs'][p]['cpu_us']:.2f}x" for p in peers)
+
     for c in sorted({r["conns"] for r in rows}):
         s, mem, red = row[("sluice", c)], row[("sluice-mem", c)], row[("sluice-redis", c)]
-        check(s["cpu_x"] <= 0.85, f"-c{c} no policy: CPU per request {s['cpu_x']:.2f}x nginx's (<= 0.85)")
-        check(s["rps_x"] >= 1.0, f"-c{c} no policy: req/s {s['rps_x']:.2f}x nginx's (>= 1)")
-        check(s["p99_x"] <= 1.0, f"-c{c} no policy: p99 {s['p99_x']:.2f}x nginx's (<= 1)")
+        b = s["best"]
+        check(s["cpu_x"] <= 0.85, f"-c{c} no policy: CPU per request {s['cpu_x']:.2f}x {b['cpu_us']}'s (<= 0.85)")
+        check(s["rps_x"] >= 1.0, f"-c{c} no policy: req/s {s['rps_x']:.2f}x {b['rps']}'s (>= 1)")
+        check(s["p99_x"] <= 1.0, f"-c{c} no policy: p99 {s['p99_x']:.2f}x {b['p99']}'s (<= 1)")
+        out.append(f"    (no policy {against(s, PEERS)})")
+        out.append(f"    (memory store {against(mem, LIMIT_PEERS)})")
+        out.append(f"    (Redis store {against(red, LIMIT_PEERS)})")
         x = red["cpu_vs_none"]
         check(x <= 1.2, f"-c{c} Redis policy: CPU per request {x:.2f}x no policy (<= 1.2)")
         null = row.get(("sluice-redis-null", c))
@@ -421,6 +531,7 @@ def main():
 
     need("wrk", "wrk")
     need("nginx", "nginx-light", "nginx")
+    need("haproxy", "haproxy")
     need("redis-server", "redis-server")
     need_redis_module()
     print("--- building sluice and the floor (release)", flush=True)
@@ -438,23 +549,29 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="sluice-bench-")
     procs = Procs()
+    haproxy_pids = {}
     try:
         null_bin = null_build(sluice, tmp)
         if not null_bin:
             print("--- sluice-redis-null skipped: lua/acquire.lua's text is not in the binary once", flush=True)
-        ports = {k: free_port() for k in ["upstream", "nginx", "nginx-limit", "sluice", "sluice-mem",
+        ports = {k: free_port() for k in ["upstream", "upstream-status", "nginx", "nginx-limit", "haproxy",
+                                           "haproxy-limit", "sluice", "sluice-mem",
                                            "sluice-redis", "redis", "sluice-many", "sluice-reject", "floor",
                                            "http-floor"] + ([] if args.no_pgo else ["sluice-plain"])
                  + (["sluice-redis-null"] if null_bin else [])}
         up = ports["upstream"]
-        procs.start(["nginx", "-c", upstream_conf(tmp, up)])
-        proxy_block = f"upstream api {{ server 127.0.0.1:{up}; keepalive 64; }}"
-        loc = 'proxy_pass http://api; proxy_http_version 1.1; proxy_set_header Connection "";'
-        procs.start(["nginx", "-c", nginx_conf(tmp, ports["nginx"],
-                     f'{proxy_block} server {{ listen 127.0.0.1:{ports["nginx"]}; location / {{ {loc} }} }}')])
-        procs.start(["nginx", "-c", nginx_conf(tmp, ports["nginx-limit"],
-                     f'{proxy_block} limit_req_zone $binary_remote_addr zone=z:10m rate=100000000r/s; '
-                     f'server {{ listen 127.0.0.1:{ports["nginx-limit"]}; location / {{ limit_req zone=z burst=100000000 nodelay; {loc} }} }}')])
+        status = ports["upstream-status"]
+        procs.start(["nginx", "-c", upstream_conf(tmp, up, status_port=status)])
+        procs.start(["nginx", "-c", proxy_nginx_conf(tmp, ports["nginx"], up)])
+        procs.start(["nginx", "-c", proxy_nginx_conf(tmp, ports["nginx-limit"], up, limit=True)])
+        # -db: in the foreground, one process (no master), which does the work.
+        haproxy_log = open(os.path.join(tmp, "haproxy.log"), "w")
+        for name, limit in [("haproxy", False), ("haproxy-limit", True)]:
+            conf = haproxy_conf(tmp, ports[name], up, limit)
+            subprocess.run(["haproxy", "-c", "-q", "-f", conf], check=True)
+            pids_haproxy = procs.start(["haproxy", "-db", "-f", conf], stdout=haproxy_log,
+                                       stderr=subprocess.STDOUT).pid
+            haproxy_pids[name] = pids_haproxy
         redis = procs.start(redis_args(ports["redis"]))
 
         def sluice_conf(name, store, policy, extra=""):
@@ -488,7 +605,7 @@ upstream = "api"
             "sluice-reject": sluice_conf("sluice-reject", redis_section, 'limits = [{ limit = 10, window = "1h" }]'),
         }
         env = dict(os.environ, RUST_LOG="warn")
-        pids = {}
+        pids = dict(haproxy_pids)
         for name, conf in confs.items():
             pids[name] = procs.start([sluice, "--config", conf], env=env).pid
         if not args.no_pgo:
@@ -508,15 +625,17 @@ upstream = "api"
             master = next(p for p in procs.procs if p.args[-1].endswith(f"nginx-{ports[name]}.conf"))
             pids[name] = children(master.pid)[0]
 
-        setups = ["nginx", "nginx-limit", "sluice", "sluice-mem", "sluice-redis", "floor", "http-floor"]
+        setups = ["nginx", "nginx-limit", "haproxy", "haproxy-limit", "sluice", "sluice-mem", "sluice-redis",
+                  "floor", "http-floor"]
         if not args.no_pgo:
-            setups.insert(3, "sluice-plain")
+            setups.insert(setups.index("sluice") + 1, "sluice-plain")
         if null_bin:
             setups.insert(setups.index("sluice-redis") + 1, "sluice-redis-null")
         results = {(s, c): [] for s in setups for c in conns_list}
-        # Warm up every proxy (pools, scripts).
+        # Warm up every proxy (pools, scripts) at the largest concurrency:
+        # a pool that keeps its connections opens none during the runs.
         for s in setups:
-            run_wrk(f"http://127.0.0.1:{ports[s]}/", 50, 1, [pids[s]], None, None)
+            run_wrk(f"http://127.0.0.1:{ports[s]}/", max(conns_list), 1, [pids[s]], None, None)
         for rnd in range(args.rounds):
             # Each round starts one setup later: the lab saw the same build
             # measure up to 15 % apart by its place in a round (what ran
@@ -528,10 +647,10 @@ upstream = "api"
                 for s in order:
                     redis_pid = redis.pid if s.startswith("sluice-redis") else None
                     r = run_wrk(f"http://127.0.0.1:{ports[s]}/", c, args.duration, [pids[s]], redis_pid,
-                                ports["redis"] if redis_pid else None)
+                                ports["redis"] if redis_pid else None, status_port=status)
                     results[(s, c)].append(r)
                     print(f"round {rnd + 1} -c{c} {s:17} {r['rps']:9.0f} req/s  p99 {r['p99']:6.2f} ms  "
-                          f"cpu {r['cpu_us']:5.1f} us/req", flush=True)
+                          f"cpu {r['cpu_us']:5.1f} us/req  new upstream conns {r['new_up']}", flush=True)
 
         # Many identities: a wrk script sends a random X-Forwarded-For (sluice trusts 127.0.0.1).
         extra = {}
@@ -545,12 +664,13 @@ upstream = "api"
         # Requests as browsers and API clients send them: eight more fields
         # (about 330 bytes), where wrk sends only Host. A proxy's cost grows
         # with each field it reads and passes on, so this shows how the
-        # figures above carry over. Runs of nginx and sluice in pairs, each
-        # pair in the other order.
+        # figures above carry over. Runs of the peers and sluice back to
+        # back, each time starting one later.
         fields = fields_lua(tmp)
-        fielded = {"nginx": [], "sluice": []}
+        trio = PEERS + ["sluice"]
+        fielded = {s: [] for s in trio}
         for i in range(max(2, args.rounds // 2)):
-            for s in (["nginx", "sluice"] if i % 2 == 0 else ["sluice", "nginx"]):
+            for s in trio[i % 3:] + trio[:i % 3]:
                 fielded[s].append(run_wrk(f"http://127.0.0.1:{ports[s]}/", 50, args.duration,
                                           [pids[s]], None, None, script=fields))
 
@@ -562,58 +682,90 @@ upstream = "api"
             # back, so a ratio within it is spared most of the neighbours' drift.
             return statistics.median(a[key] / b[key] for a, b in zip(rs, ref))
 
+        # A proxy that keeps its upstream connections opens none once warm,
+        # and never more than one per client connection: more in a run is
+        # a pool too small or connections closed after a few requests.
+        # (The floor has no pool by design: a connection of its own per client.)
+        flagged = {(s, c): s != "floor" and max(r["new_up"] for r in results[(s, c)]) > c
+                   for s in setups for c in conns_list}
+        # The best peer per figure: the most req/s, the lowest p99, the least
+        # CPU, among the peers that keep their upstream connections.
+        best = {}
+        for c in conns_list:
+            honest = [p for p in PEERS if not flagged[(p, c)]] or PEERS
+            for key, pick in FIGURES.items():
+                best[(key, c)] = pick(honest, key=lambda p: med(results[(p, c)], key))
+
         rows = []
         for c in conns_list:
-            ref = results[("nginx", c)]
             for s in setups:
                 rs = results[(s, c)]
-                rows.append({"setup": s, "conns": c, **{k: med(rs, k) for k in
-                             ["rps", "p50", "p99", "cpu_us", "user_us", "sys_us", "redis_us", "redis_calls"]},
-                             "rps_x": paired(rs, ref, "rps"),
-                             "p99_x": paired(rs, ref, "p99"),
-                             "cpu_x": paired(rs, ref, "cpu_us"),
-                             # Against sluice without a policy, for the targets.
-                             "cpu_vs_none": paired(rs, results[("sluice", c)], "cpu_us")})
+                row = {"setup": s, "conns": c, **{k: med(rs, k) for k in
+                       ["rps", "p50", "p99", "cpu_us", "user_us", "sys_us", "redis_us", "redis_calls", "new_up"]},
+                       "flagged": flagged[(s, c)],
+                       "best": {key: best[(key, c)] for key in FIGURES},
+                       # Against each peer, for the targets' comparisons.
+                       "vs": {p: {key: paired(rs, results[(p, c)], key) for key in FIGURES}
+                              for p in PEERS + LIMIT_PEERS},
+                       # Against sluice without a policy, for the targets.
+                       "cpu_vs_none": paired(rs, results[("sluice", c)], "cpu_us")}
+                for key, name in [("rps", "rps_x"), ("p99", "p99_x"), ("cpu_us", "cpu_x")]:
+                    row[name] = row["vs"][best[(key, c)]][key]
+                rows.append(row)
         lines = []
         head = (f"{'setup':17} {'conns':>5} {'req/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'cpu us/req':>10} "
-                f"{'redis us/req':>12} {'redis calls':>11} {'req/s x':>8} {'p99 x':>6} {'cpu x':>6}")
+                f"{'redis us/req':>12} {'redis calls':>11} {'req/s x':>8} {'p99 x':>6} {'cpu x':>6} "
+                f"{'new upstream':>13}")
         lines.append(head)
         lines.append("-" * len(head))
         for r in rows:
             lines.append(f"{r['setup']:17} {r['conns']:>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
                          f"{r['cpu_us']:>10.1f} {r['redis_us']:>12.1f} {r['redis_calls']:>11.2f} "
-                         f"{r['rps_x']:>8.2f} {r['p99_x']:>6.2f} {r['cpu_x']:>6.2f}")
+                         f"{r['rps_x']:>8.2f} {r['p99_x']:>6.2f} {r['cpu_x']:>6.2f} "
+                         f"{r['new_up']:>12.0f}{'!' if r['flagged'] else ' '}")
         for name, r in extra.items():
             lines.append(f"{'sluice-redis':17} {'50':>5} {r['rps']:>9.0f} {r['p50']:>7.2f} {r['p99']:>7.2f} "
                          f"{r['cpu_us']:>10.1f} {r['redis_us']:>12.1f} {r['redis_calls']:>11.2f}   ({name}; non-2xx {r['non2xx']})")
         machine = f"{os.cpu_count()} cores; " + subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
+        machine += "; " + subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split(" - ")[0]
         machine += "; " + subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split(" sha")[0]
         machine += "; " + subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0].split(" [")[0]
         machine += "; " + cpu_model() + ", Linux " + platform.release()
         lines.append("")
-        lines.append(f"medians of {args.rounds} round(s) of {args.duration} s; ratios: the median of each round's ratio to nginx; {machine}")
+        lines.append(f"medians of {args.rounds} round(s) of {args.duration} s; ratios: the median of each round's "
+                     f"ratio to the best peer (nginx or haproxy) for that figure; {machine}")
+        for c in conns_list:
+            lines.append(f"-c{c} best peer: req/s {best[('rps', c)]}, p99 {best[('p99', c)]}, "
+                         f"CPU per request {best[('cpu_us', c)]}")
+        lines.append("new upstream: the connections the upstream accepted during the run (median of the rounds)"
+                     + ("; ! opens new upstream connections under keep-alive load (more than its client "
+                        "connections in a run): misconfigured" if any(flagged.values()) else
+                        "; no proxy opened more than its client connections in a run")
+                     + " (the floor opens one per client connection by design)")
         lines.append("sluice: " + ("`cargo build --release`" if args.no_pgo else
                                    "the PGO build (bench/pgo.py); sluice-plain: `cargo build --release`, no policy"))
-        # How quiet the machine was: nginx's own cost should not move between
+        # How quiet the machine was: a peer's own cost should not move between
         # rounds, so its spread is what the neighbours added. A ratio within
         # that much of its target is not decided by this run.
         for c in conns_list:
-            cpus = [r["cpu_us"] for r in results[("nginx", c)]]
-            spread = max(cpus) / min(cpus) - 1
-            verdict = ("one round: run several to see the noise" if len(cpus) < 2 else
-                       "quiet" if spread <= 0.05 else
-                       "noisy: rerun when the machine is quieter before reading a ratio near its target")
-            lines.append(f"nginx -c{c}: {min(cpus):.1f}-{max(cpus):.1f} us CPU per request over the rounds "
-                         f"(spread {spread * 100:.0f} %, {verdict})")
+            for peer in PEERS:
+                cpus = [r["cpu_us"] for r in results[(peer, c)]]
+                spread = max(cpus) / min(cpus) - 1
+                verdict = ("one round: run several to see the noise" if len(cpus) < 2 else
+                           "quiet" if spread <= 0.05 else
+                           "noisy: rerun when the machine is quieter before reading a ratio near its target")
+                lines.append(f"{peer} -c{c}: {min(cpus):.1f}-{max(cpus):.1f} us CPU per request over the rounds "
+                             f"(spread {spread * 100:.0f} %, {verdict})")
         # The kernel's part (the TCP work of four segments a request) is much
         # the same for every proxy; the user part is the proxy's own code.
         for c in conns_list:
             split = ", ".join(f"{s} {row['user_us']:.1f} + {row['sys_us']:.1f}"
-                              for s in ["nginx", "sluice", "sluice-mem", "sluice-redis", "sluice-redis-null"]
+                              for s in PEERS + ["sluice", "sluice-mem", "sluice-redis", "sluice-redis-null"]
                               for row in rows if row["setup"] == s and row["conns"] == c)
-            ux = paired(results[("sluice", c)], results[("nginx", c)], "user_us")
+            peer = best[("cpu_us", c)]
+            ux = paired(results[("sluice", c)], results[(peer, c)], "user_us")
             lines.append(f"-c{c} CPU us per request, user + system (medians): {split}; "
-                         f"sluice's user CPU {ux:.2f}x nginx's")
+                         f"sluice's user CPU {ux:.2f}x {peer}'s")
         # The floor: the CPU a request costs a proxy on sluice's runtime that
         # does no HTTP at all. What sluice spends above it is its own work.
         for c in conns_list:
@@ -621,7 +773,8 @@ upstream = "api"
             sl = next(r for r in rows if r["setup"] == "sluice" and r["conns"] == c)
             over = paired(results[("sluice", c)], results[("floor", c)], "cpu_us")
             lines.append(f"-c{c} floor (a TCP relay, no HTTP): {fl['cpu_us']:.1f} us CPU per request "
-                         f"({fl['user_us']:.1f} + {fl['sys_us']:.1f}) = {fl['cpu_x']:.2f}x nginx's; "
+                         f"({fl['user_us']:.1f} + {fl['sys_us']:.1f}) = {fl['cpu_x']:.2f}x "
+                         f"{best[('cpu_us', c)]}'s; "
                          f"sluice without a policy {over:.2f}x the floor, its own work about "
                          f"{sl['cpu_us'] - fl['cpu_us']:.1f} us a request")
         # The HTTP floor: the least an HTTP/1.1 proxy does, on the same
@@ -630,7 +783,8 @@ upstream = "api"
             hf = next(r for r in rows if r["setup"] == "http-floor" and r["conns"] == c)
             over = paired(results[("sluice", c)], results[("http-floor", c)], "cpu_us")
             lines.append(f"-c{c} http-floor (bare HTTP/1.1 proxy): {hf['cpu_us']:.1f} us CPU per request "
-                         f"({hf['user_us']:.1f} + {hf['sys_us']:.1f}) = {hf['cpu_x']:.2f}x nginx's; "
+                         f"({hf['user_us']:.1f} + {hf['sys_us']:.1f}) = {hf['cpu_x']:.2f}x "
+                         f"{best[('cpu_us', c)]}'s; "
                          f"sluice without a policy {over:.2f}x it")
         # The quietest round of each setup: on a shared machine the neighbours
         # only ever add CPU time, so each setup's lowest figure is the nearest
@@ -638,20 +792,23 @@ upstream = "api"
         # above), but a check on them that a busy minute cannot move much.
         for c in conns_list:
             low = {s: min(r["cpu_us"] for r in results[(s, c)]) for s in setups}
-            lines.append(f"-c{c} quietest round of each, CPU us per request: nginx {low['nginx']:.1f}, "
-                         f"sluice {low['sluice']:.1f} ({low['sluice'] / low['nginx']:.2f}x nginx's), "
+            peer = min(PEERS, key=lambda p: low[p])
+            lines.append(f"-c{c} quietest round of each, CPU us per request: "
+                         + "".join(f"{p} {low[p]:.1f}, " for p in PEERS)
+                         + f"sluice {low['sluice']:.1f} ({low['sluice'] / low[peer]:.2f}x {peer}'s), "
                          f"sluice-mem {low['sluice-mem']:.1f} ({low['sluice-mem'] / low['sluice']:.2f}x no policy), "
                          f"sluice-redis {low['sluice-redis']:.1f} ({low['sluice-redis'] / low['sluice']:.2f}x no policy)"
                          + (f", sluice-redis-null {low['sluice-redis-null']:.1f} "
                             f"({low['sluice-redis-null'] / low['sluice']:.2f}x no policy)"
                             if "sluice-redis-null" in low else ""))
-        fx = paired(fielded["sluice"], fielded["nginx"], "cpu_us")
-        lines.append(f"-c50 requests with eight more fields (as browsers and API clients send): "
-                     f"CPU us per request nginx {med(fielded['nginx'], 'cpu_us'):.1f}, "
-                     f"sluice {med(fielded['sluice'], 'cpu_us'):.1f} ({fx:.2f}x nginx's, the median of "
-                     f"{len(fielded['nginx'])} pairs); req/s {med(fielded['nginx'], 'rps'):.0f} and "
-                     f"{med(fielded['sluice'], 'rps'):.0f}, p99 {med(fielded['nginx'], 'p99'):.2f} and "
-                     f"{med(fielded['sluice'], 'p99'):.2f} ms")
+        fpeer = min(PEERS, key=lambda p: med(fielded[p], "cpu_us"))
+        fx = paired(fielded["sluice"], fielded[fpeer], "cpu_us")
+        lines.append(f"-c50 requests with eight more fields (as browsers and API clients send), the median of "
+                     f"{len(fielded['sluice'])} runs each: CPU us per request "
+                     + ", ".join(f"{s} {med(fielded[s], 'cpu_us'):.1f}" for s in trio)
+                     + f" (sluice {fx:.2f}x {fpeer}'s); req/s "
+                     + ", ".join(f"{s} {med(fielded[s], 'rps'):.0f}" for s in trio) + "; p99 "
+                     + ", ".join(f"{s} {med(fielded[s], 'p99'):.2f}" for s in trio) + " ms")
         table = "\n".join(lines)
         print("\n" + table)
         os.makedirs(RESULTS, exist_ok=True)
