@@ -58,6 +58,7 @@ fn counter(id: &str, limit: u64, window_ms: u64, algorithm: Algorithm) -> Counte
         limit,
         window_ms,
         algorithm,
+        calendar: None,
     }
 }
 

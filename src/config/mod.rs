@@ -261,12 +261,27 @@ impl Algorithm {
 #[derive(Debug, Clone)]
 pub struct Limit {
     pub limit: u64,
+    /// A calendar window's nominal length (see [`crate::calendar::Unit::nominal_ms`]).
     pub window: Duration,
+    /// A `fixed` window that starts at midnight, on Monday or on the first of
+    /// the month in its policy's `timezone`: `"1w"`, `"1mo"`, and `"1d"`
+    /// outside UTC. `None`: windows aligned to the unix epoch.
+    pub calendar: Option<crate::calendar::Calendar>,
     pub algorithm: Algorithm,
     pub keys: Vec<KeySpec>,
     /// Stable name of this limit inside its policy, e.g. `1m:fixed`: counters are
     /// stored under it, so reordering limits or reloading keeps them.
     pub id: String,
+}
+
+impl Limit {
+    /// The window as the config writes it: `"1m"`, `"1w"`, `"1mo"`.
+    pub fn window_text(&self) -> String {
+        match &self.calendar {
+            Some(c) => c.unit.text().to_string(),
+            None => duration::format(self.window),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,6 +307,8 @@ pub struct Policy {
     pub plan: Arc<str>,
     /// IPv6 clients are counted by their network of this many bits.
     pub ipv6_prefix: u8,
+    /// `timezone`, the IANA name its calendar windows follow ("UTC" by default).
+    pub timezone: Arc<str>,
     pub charge: Charge,
     pub refund: Vec<StatusCode>,
     pub mode: Mode,
@@ -351,9 +368,9 @@ impl IetfTexts {
 
 /// A structured-field string naming limit `i` of a policy.
 fn item_name(policy: &str, limits: &[Limit], i: usize) -> String {
-    let window = limits[i].window;
-    let mut name = format!("{policy}-{}", duration::format(window));
-    if limits.iter().filter(|o| o.window == window).count() > 1 {
+    let window = limits[i].window_text();
+    let mut name = format!("{policy}-{window}");
+    if limits.iter().filter(|o| o.window_text() == window).count() > 1 {
         name += &format!("-{i}");
     }
     // sf-string allows printable ASCII; escape quotes and backslashes.
@@ -479,20 +496,26 @@ impl fmt::Display for Config {
             let refund: Vec<&str> = p.refund.iter().map(|s| s.as_str()).collect();
             writeln!(
                 f,
-                "  {}: charge {charge} (refund {}), mode {mode}, IPv6 clients by /{}",
+                "  {}: charge {charge} (refund {}), mode {mode}, IPv6 clients by /{}, timezone {}",
                 p.name,
                 refund.join(","),
-                p.ipv6_prefix
+                p.ipv6_prefix,
+                p.timezone
             )?;
             for l in &p.limits {
                 let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
                 writeln!(
                     f,
-                    "    {} per {} by {}, {}",
+                    "    {} per {} by {}, {}{}",
                     l.limit,
-                    duration::format(l.window),
+                    l.window_text(),
                     keys.join(" + "),
-                    l.algorithm
+                    l.algorithm,
+                    if l.calendar.is_some() {
+                        " (calendar)"
+                    } else {
+                        ""
+                    }
                 )?;
             }
         }
