@@ -743,3 +743,61 @@ async fn calendar_windows_across_month_ends_and_daylight_saving_changes() {
     // over yet) + 3 + 2 (the month is full) + 2 (the week is full).
     assert_eq!(admitted, 2 * 13);
 }
+
+/// `charge = "after"` charges once the response is known, which may be
+/// windows later (a long download): the charge counts in the window it is
+/// made in, on every store.
+#[tokio::test]
+async fn a_late_charge_counts_in_the_window_it_is_made_in() {
+    let text = CALENDAR_POLICY.replace("[policies.cal]", "[policies.cal]\ncharge = \"after\"");
+    let config = sluice::config::parse(&text, "cal.toml", std::path::Path::new(".")).unwrap();
+    let policy = config.policies[0].clone();
+    let redis = RedisServer::start();
+    let clock = Clock::system();
+    let limiters = [
+        Limiter::new(Store::Memory(MemoryStore::new(1000)), clock.clone(), false),
+        Limiter::new(
+            Store::Redis(redis_store(&redis, "late:")),
+            clock.clone(),
+            false,
+        ),
+    ];
+    let spec: sluice::config::KeySpec = "header:x-key".parse().unwrap();
+    let mut headers = http::HeaderMap::new();
+    headers.insert("x-key", "late".parse().unwrap());
+    for limiter in &limiters {
+        let move_to = |when: &str| {
+            clock.set_offset_ms(at(when) as i64 - sluice::clock::wall_ms() as i64);
+        };
+        move_to("2026-03-28T23:59:58+01:00");
+        let verdict = limiter
+            .decide(
+                &policy,
+                1,
+                "127.0.0.1".parse().unwrap(),
+                sluice::fields::Fields::Map(&headers),
+                None,
+                &KeyCache::default(),
+            )
+            .await
+            .unwrap();
+        let Verdict::Allowed { ticket, .. } = verdict else {
+            panic!("the first request is allowed");
+        };
+        // The response ends two days (and one daylight-saving change) later.
+        move_to("2026-03-30T12:00:00+02:00");
+        limiter
+            .settle(ticket, http::StatusCode::OK, false)
+            .await
+            .unwrap();
+        let usage = limiter.usage(&policy, &spec, b"late").await.unwrap();
+        let used: Vec<u64> = usage.iter().map(|u| u.used).collect();
+        // Today, this week (from Monday 2026-03-30) and this month.
+        assert_eq!(
+            used,
+            [1, 1, 1],
+            "{:?}",
+            usage.iter().map(|u| u.reset_ms).collect::<Vec<_>>()
+        );
+    }
+}
