@@ -723,7 +723,7 @@ async fn calendar_windows_across_month_ends_and_daylight_saving_changes() {
             let secs = (ends[full] - target).div_ceil(1000);
             for want in [
                 format!("x-ratelimit-reset: {}", ends[full] / 1000),
-                format!("x-ratelimit-remaining: 0"),
+                "x-ratelimit-remaining: 0".to_string(),
                 format!("retry-after: {secs}"),
             ] {
                 assert!(
