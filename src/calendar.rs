@@ -6,6 +6,9 @@
 //! as long as it is: windows are found from civil dates, never by adding a
 //! fixed number of milliseconds.
 
+use std::sync::Arc;
+
+use arc_swap::ArcSwapOption;
 use jiff::civil::Date;
 use jiff::tz::TimeZone;
 use jiff::{Timestamp, ToSpan};
@@ -47,9 +50,22 @@ impl Unit {
 pub struct Calendar {
     pub unit: Unit,
     pub tz: TimeZone,
+    /// The last window found, [`Calendar::window`]'s answer: counters are
+    /// built for the current window again and again (each new connection,
+    /// each new client), and finding it in the time-zone rules costs more
+    /// than the rest of building them.
+    last: Arc<ArcSwapOption<(u64, u64, u64)>>,
 }
 
 impl Calendar {
+    pub fn new(unit: Unit, tz: TimeZone) -> Calendar {
+        Calendar {
+            unit,
+            tz,
+            last: Arc::default(),
+        }
+    }
+
     /// The first day of the window holding `day`.
     fn first_day(&self, day: Date) -> Option<Date> {
         match self.unit {
@@ -96,8 +112,19 @@ impl Calendar {
     /// What a store is told about the window at `now_ms` (see [`Ends`]).
     /// Out of the calendar's range, a nominal window from `now_ms` on.
     pub fn ends(&self, now_ms: u64) -> Ends {
+        if let Some(w) = &*self.last.load()
+            && (w.0..w.1).contains(&now_ms)
+        {
+            return Ends {
+                end: w.1,
+                next_end: w.2,
+            };
+        }
         match self.window(now_ms) {
-            Some((_, end, next_end)) => Ends { end, next_end },
+            Some(w @ (_, end, next_end)) => {
+                self.last.store(Some(Arc::new(w)));
+                Ends { end, next_end }
+            }
             None => {
                 let end = now_ms.saturating_add(self.unit.nominal_ms());
                 Ends {
@@ -119,10 +146,7 @@ mod tests {
     }
 
     fn calendar(unit: Unit, tz: &str) -> Calendar {
-        Calendar {
-            unit,
-            tz: TimeZone::get(tz).expect("a zone"),
-        }
+        Calendar::new(unit, TimeZone::get(tz).expect("a zone"))
     }
 
     #[test]
@@ -191,6 +215,24 @@ mod tests {
         let (start, end, _) = tokyo.window(at("2026-03-31T16:00:00Z")).unwrap();
         assert_eq!(start, at("2026-03-31T15:00:00Z"));
         assert_eq!(end, at("2026-04-30T15:00:00Z"));
+    }
+
+    #[test]
+    fn the_last_window_found_serves_until_it_ends() {
+        let month = calendar(Unit::Month, "Europe/Berlin");
+        let end = at("2026-04-01T00:00:00+02:00");
+        let next_end = at("2026-05-01T00:00:00+02:00");
+        let march = Ends { end, next_end };
+        assert_eq!(month.ends(at("2026-03-10T12:00:00+01:00")), march);
+        assert_eq!(month.ends(at("2026-03-01T00:00:00+01:00")), march);
+        assert_eq!(month.ends(end - 1), march);
+        assert_eq!(month.ends(end).end, next_end);
+        // Time going back (another limiter's clock) finds the earlier window.
+        assert_eq!(month.ends(end - 1), march);
+        assert_eq!(
+            month.ends(at("2026-02-28T23:59:59+01:00")).end,
+            at("2026-03-01T00:00:00+01:00")
+        );
     }
 
     #[test]

@@ -896,9 +896,8 @@ fn limit(
         None => policy_keys.to_vec(),
     };
     let (limit, window) = (limit?, window?);
-    let calendar = unit.map(|unit| crate::calendar::Calendar {
-        unit,
-        tz: tz.cloned().unwrap_or(jiff::tz::TimeZone::UTC),
+    let calendar = unit.map(|unit| {
+        crate::calendar::Calendar::new(unit, tz.cloned().unwrap_or(jiff::tz::TimeZone::UTC))
     });
     let window_text = match &calendar {
         Some(c) => c.unit.text().to_string(),
