@@ -9,8 +9,13 @@
 --          units, nonce (log entries of this call are "<nonce>:<unit>", so a
 --          refund removes exactly them); then the counters, 34 bytes each,
 --          '>BBdddc8': key index (into KEYS), algorithm (1 buckets, 2 log,
---          3 gcra), limit, window ms, precision ms (buckets) or burst (gcra),
---          record tag (64 bits)
+--          3 gcra, 4 calendar window), limit, window ms, precision ms
+--          (buckets) or burst (gcra), record tag (64 bits); for a calendar
+--          window ("1w", "1mo", "1d" outside UTC: a fixed window whose
+--          bounds are no multiple of anything), in place of the window and
+--          precision, the unix ms at which the current window ends and the
+--          next one ends, as the proxy's clock saw it: the window is the
+--          first of the two that `now` is before (src/store/mod.rs, Ends)
 --
 -- Returns a binary string: '>B' allowed (0/1), '>d' now, then per counter
 -- '>ddd' remaining, reset ms, mark (bucket index or nonce; 0 when nothing was
@@ -21,7 +26,8 @@
 -- parsing an array of integers in the proxy cost more than the script's
 -- packing them. A packed string is "\1", '>d' the unix ms it expires at, then
 -- records: '>c8I2' tag, payload length, payload:
---   fixed (one bucket of the whole window): '>dd' bucket index, units
+--   fixed (one bucket of the whole window): '>dd' bucket index, units; a
+--     calendar window is a fixed one named by its end instead of an index
 --   sliding (window/precision buckets): '>ddd' newest index, units in the
 --     window, newest index holding units or -1; then the ring of
 --     window/precision big-endian counts, 2 bytes wide when the limit fits
@@ -113,7 +119,7 @@ for ki = 1, #KEYS do
           if format ~= 1 then raw, cursor, stored = '', false, 0 end
         end
         -- The record's format and payload size, known before it is read.
-        local fixed = alg == 1 and window == param
+        local fixed = alg == 4 or (alg == 1 and window == param)
         local fmt, want, n, w, cfmt, most = '>c8I2d', 8  -- gcra
         if fixed then
           fmt = '>c8I2dd'
@@ -169,21 +175,30 @@ for ki = 1, #KEYS do
 
         local expiry
         if fixed then
-          local b = (now - now % param) / param  -- floor(now / param), without a call
+          local b
+          if alg == 4 then
+            b = window
+            if now >= window then b = param end
+            reset = b
+          else
+            b = (now - now % param) / param  -- floor(now / param), without a call
+            reset = (b + 1) * param
+          end
           local used = 0
           if f1 == b then used = f2 end
-          reset = (b + 1) * param
           if used + cost <= limit then
             remaining = limit - used - cost
           else
             remaining = max(limit - used, 0)
-            if cost > limit then retry = window else retry = reset - now end
+            if cost > limit and alg == 1 then retry = window else retry = max(reset - now, 1) end
           end
           local rec = pack_('>c8I2dd', tag, 16, b, used + cost)
           if p1 then value, p1 = value .. p1 .. p2 .. p3 .. p4 .. rec, nil
           elseif value == '' then value = rec  -- ('' .. rec would be a copy)
           else value = value .. rec end
-          expiry = reset
+          -- (A calendar window both of whose ends have passed, as for a
+          -- late `charge = "after"`, is not kept.)
+          expiry = max(reset, now + 1)
           mark = b
         elseif alg == 1 then
           local b = (now - now % param) / param

@@ -69,7 +69,7 @@ for i = 1, count do
     local g = group(ki)
     local raw, off = g[1], g[2][tag]
     local size = off and unpack_('>I2', raw, off + 8)
-    if alg == 1 and window == param then
+    if alg == 4 or (alg == 1 and window == param) then
       if size == 16 then
         local b, units = unpack_('>dd', raw, off + 10)
         if b == mark and units > 0 then

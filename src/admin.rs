@@ -18,7 +18,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
-use crate::config::{KeySpec, duration};
+use crate::config::KeySpec;
 use crate::proxy::Proxy;
 
 /// Serves admin requests until the task is dropped.
@@ -341,7 +341,7 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
         .map(|u| {
             serde_json::json!({
                 "limit": u.limit.limit,
-                "window": duration::format(u.limit.window),
+                "window": u.limit.window_text(),
                 "algorithm": u.limit.algorithm.name(),
                 "used": u.used,
                 "remaining": u.remaining,

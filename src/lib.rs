@@ -22,11 +22,13 @@
 //! - [`config`]: the TOML file, checked, with `file:line` errors.
 //! - [`tls`]: rustls settings for TLS termination and https upstreams.
 //! - [`clock`]: unix milliseconds, movable in tests.
+//! - [`calendar`]: `"1d"`, `"1w"`, `"1mo"` windows in a policy's time zone.
 //! - [`ascii`]: field names compared without case, a word at a time.
 //! - [`admin`], [`metrics`]: `/healthz`, `/readyz`, `/metrics` on `admin_listen`.
 
 pub mod admin;
 pub mod ascii;
+pub mod calendar;
 pub mod clock;
 pub mod coalesce;
 pub mod config;

@@ -229,7 +229,9 @@ impl Limiter {
                 } => {
                     let policy = policies.iter().find(|p| p.name == policy);
                     if let (Some(policy), Ok(spec)) = (policy, spec.parse::<KeySpec>()) {
-                        for (_, c) in Self::identity_counters(policy, &spec, &value) {
+                        for (_, c) in
+                            Self::identity_counters(policy, &spec, &value, self.clock.now_ms())
+                        {
                             cache.remove(&c.key);
                         }
                     }
@@ -276,12 +278,12 @@ impl Limiter {
                 Mode::Shadow => Verdict::ShadowLimited { binding },
             });
         }
-        let Ok(set) = keys.counters(policy, client, headers, query) else {
+        let now = self.clock.now_ms();
+        let Ok(set) = keys.counters(policy, client, headers, query, now) else {
             return Ok(Verdict::TooManyValues);
         };
         let (counters, limit_of) = (&set.list, &set.limit_of);
         let charge = policy.charge == Charge::Reserve;
-        let now = self.clock.now_ms();
         let cache = self
             .deny_cache
             .as_ref()
@@ -378,9 +380,9 @@ impl Limiter {
             }
             Charge::After if !free => {
                 let now = self.clock.now_ms();
-                self.store
-                    .charge(&ticket.counters.list, ticket.cost, now)
-                    .await?;
+                // A calendar window may have ended since the decision.
+                let counters = ticket.counters.current(now);
+                self.store.charge(&counters.list, ticket.cost, now).await?;
                 Ok(false)
             }
             _ => Ok(false),
@@ -400,7 +402,12 @@ impl Limiter {
     /// The counters of `policy` that count the identity `spec = value`. An
     /// `ip` value is an address (or a range, `2001:db8::/64`), counted as
     /// the policy counts its clients: an IPv6 one by its `ipv6_prefix`.
-    fn identity_counters(policy: &Policy, spec: &KeySpec, value: &[u8]) -> Vec<(usize, Counter)> {
+    fn identity_counters(
+        policy: &Policy,
+        spec: &KeySpec,
+        value: &[u8],
+        now: u64,
+    ) -> Vec<(usize, Counter)> {
         let mut value = value.to_vec();
         if *spec == KeySpec::Ip {
             let text = std::str::from_utf8(&value).unwrap_or_default();
@@ -430,7 +437,7 @@ impl Limiter {
                             .iter()
                             .any(|k| matches!(k, KeySpec::Header(_) | KeySpec::Query(_)))
             })
-            .map(|(i, l)| (i, counter(&policy.name, l, &id)))
+            .map(|(i, l)| (i, counter(&policy.name, l, &id, now)))
             .collect()
     }
 
@@ -442,15 +449,13 @@ impl Limiter {
         spec: &KeySpec,
         value: &[u8],
     ) -> Result<Vec<Usage>, StoreError> {
-        let found = Self::identity_counters(policy, spec, value);
+        let now = self.clock.now_ms();
+        let found = Self::identity_counters(policy, spec, value, now);
         let counters: Vec<Counter> = found.iter().map(|(_, c)| c.clone()).collect();
         if counters.is_empty() {
             return Ok(Vec::new());
         }
-        let outcome = self
-            .store
-            .acquire(&counters, None, 0, false, self.clock.now_ms())
-            .await?;
+        let outcome = self.store.acquire(&counters, None, 0, false, now).await?;
         Ok(found
             .into_iter()
             .zip(outcome.states)
@@ -471,7 +476,8 @@ impl Limiter {
         spec: &KeySpec,
         value: &[u8],
     ) -> Result<(), StoreError> {
-        let counters: Vec<Counter> = Self::identity_counters(policy, spec, value)
+        let now = self.clock.now_ms();
+        let counters: Vec<Counter> = Self::identity_counters(policy, spec, value, now)
             .into_iter()
             .map(|(_, c)| c)
             .collect();
@@ -503,10 +509,23 @@ pub struct Counters {
     limit_of: PerCounter<usize>,
     /// The store's encoding of `list`, kept while the connection reuses it.
     memo: Memo,
+    /// Unix ms (the proxy's clock) at which the first of its calendar
+    /// windows ends: from then on they are built afresh, with the next
+    /// windows' bounds (`u64::MAX` without calendar windows).
+    until: u64,
 }
 
 impl Counters {
-    fn build(policy: &Arc<Policy>, ids: Vec<(KeySpec, Values)>) -> Counters {
+    /// These counters, or when a calendar window of theirs has ended by
+    /// `now`, the same counters with the current windows' bounds.
+    fn current(self: &Arc<Counters>, now: u64) -> Arc<Counters> {
+        if now < self.until {
+            return self.clone();
+        }
+        Arc::new(Counters::build(&self.policy, self.ids.clone(), now))
+    }
+
+    fn build(policy: &Arc<Policy>, ids: Vec<(KeySpec, Values)>, now: u64) -> Counters {
         let n = policy.limits.len();
         let mut list = PerCounter::<Counter>::with_capacity(n);
         let mut limit_of = PerCounter::with_capacity(n);
@@ -526,7 +545,7 @@ impl Counters {
                     continue;
                 };
                 for group in &groups[g] {
-                    let c = counter_in(group, limit);
+                    let c = counter_in(group, limit, now);
                     // Two specs can fall back to the same identity (both to
                     // the client address): count it once.
                     if list.iter().any(|o| o.key == c.key) {
@@ -537,12 +556,18 @@ impl Counters {
                 }
             }
         }
+        let until = list
+            .iter()
+            .filter_map(|c| c.calendar.map(|e| e.end))
+            .min()
+            .unwrap_or(u64::MAX);
         Counters {
             policy: policy.clone(),
             ids,
             list,
             limit_of,
             memo: Memo::default(),
+            until,
         }
     }
 }
@@ -551,7 +576,8 @@ impl Counters {
 /// as the same identity, and turning an identity into keys (a SHA-256, and
 /// three keys built) was a quarter of what a memory-store decision costs; a
 /// request whose policy and identities match reuses them. Policies are
-/// compared by pointer: a reload makes new ones, so old counters never serve.
+/// compared by pointer: a reload makes new ones, so old counters never serve;
+/// nor do counters whose calendar window has ended (see [`Counters::until`]).
 #[derive(Default)]
 pub struct KeyCache(Mutex<Cached>);
 
@@ -572,6 +598,7 @@ impl KeyCache {
         client: IpAddr,
         headers: Fields<'_>,
         query: Option<&str>,
+        now: u64,
     ) -> Result<Arc<Counters>, identity::TooManyValues> {
         // A poisoned lock only means a panic elsewhere: the cache is still
         // whole (it is replaced, never edited in place).
@@ -583,6 +610,7 @@ impl KeyCache {
         } = &mut *cached;
         if let Some(c) = last
             && Arc::ptr_eq(&c.policy, policy)
+            && now < c.until
             && policy
                 .specs
                 .iter()
@@ -606,7 +634,7 @@ impl KeyCache {
             return Ok(c.clone());
         }
         let ids = identities(policy, client, headers, query)?;
-        let built = Arc::new(Counters::build(policy, ids));
+        let built = Arc::new(Counters::build(policy, ids, now));
         *last = Some(built.clone());
         *last_client = Some(client);
         Ok(built)
@@ -639,13 +667,14 @@ fn identities(
         .collect()
 }
 
-/// The counter of one limit for one identity.
-fn counter(policy: &str, limit: &crate::config::Limit, id: &Identity) -> Counter {
-    counter_in(&group_key(policy, &id.spec, &id.value), limit)
+/// The counter of one limit for one identity, at `now`.
+fn counter(policy: &str, limit: &crate::config::Limit, id: &Identity, now: u64) -> Counter {
+    counter_in(&group_key(policy, &id.spec, &id.value), limit, now)
 }
 
-/// The counter of one limit in an identity's group (see [`group_key`]).
-fn counter_in(group: &[u8], limit: &crate::config::Limit) -> Counter {
+/// The counter of one limit in an identity's group (see [`group_key`]), at
+/// `now`: a calendar window's bounds are those of the window `now` is in.
+fn counter_in(group: &[u8], limit: &crate::config::Limit, now: u64) -> Counter {
     let mut key = Key::with_capacity(group.len() + 1 + limit.id.len());
     key.extend_from_slice(group);
     key.push(b':');
@@ -656,6 +685,7 @@ fn counter_in(group: &[u8], limit: &crate::config::Limit) -> Counter {
         limit: limit.limit,
         window_ms: limit.window.as_millis() as u64,
         algorithm: limit.algorithm,
+        calendar: limit.calendar.as_ref().map(|c| c.ends(now)),
     }
 }
 

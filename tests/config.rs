@@ -296,3 +296,63 @@ fn limits_of_one_window_with_different_keys_get_their_own_ids() {
         .to_string();
     assert!(err.contains("counts the same window as limits[0]"), "{err}");
 }
+
+#[test]
+fn calendar_windows_follow_the_policy_timezone() {
+    let text = r#"
+[policies.utc]
+limits = [{ limit = 5, window = "1d" }, { limit = 50, window = "1w" }, { limit = 500, window = "1mo" }]
+[policies.berlin]
+timezone = "Europe/Berlin"
+limits = [
+  { limit = 5, window = "1d" },
+  { limit = 9, window = "1d", precision = "1h" },
+  { limit = 500, window = "1mo" },
+]
+"#;
+    let config = sluice::config::parse(text, "c.toml", Path::new(".")).unwrap();
+    let by_name = |name: &str| {
+        config
+            .policies
+            .iter()
+            .find(|p| &*p.name == name)
+            .unwrap()
+            .clone()
+    };
+    let (berlin, utc) = (by_name("berlin"), by_name("utc"));
+    // In UTC a day is the epoch's day, as before (its counters stay); weeks
+    // and months are calendar windows in any zone.
+    let kinds = |p: &sluice::config::Policy| -> Vec<(String, String, bool)> {
+        p.limits
+            .iter()
+            .map(|l| (l.window_text(), l.id.clone(), l.calendar.is_some()))
+            .collect()
+    };
+    let row = |w: &str, id: &str, calendar: bool| (w.to_string(), id.to_string(), calendar);
+    assert_eq!(
+        kinds(&utc),
+        [
+            row("1d", "1d:fixed", false),
+            row("1w", "1w:fixed", true),
+            row("1mo", "1mo:fixed", true)
+        ]
+    );
+    // Outside UTC a fixed day starts at local midnight; a sliding day is a
+    // span of 24 hours wherever it is.
+    assert_eq!(
+        kinds(&berlin),
+        [
+            row("1d", "1d:fixed", true),
+            row("1d", "1d:sliding:1h", false),
+            row("1mo", "1mo:fixed", true)
+        ]
+    );
+    assert_eq!(&*berlin.timezone, "Europe/Berlin");
+    assert_eq!(&*utc.timezone, "UTC");
+    // The IETF policy names the calendar window as the file does.
+    assert!(
+        utc.ietf.lists[2].starts_with("\"utc-1mo\";q=500;w=2592000"),
+        "{}",
+        utc.ietf.lists[2]
+    );
+}

@@ -204,6 +204,7 @@ async fn replies_to_timed_out_calls_do_not_reach_later_calls() {
         limit: 100,
         window_ms: 3_600_000,
         algorithm: Algorithm::Fixed,
+        calendar: None,
     };
     let (a, b) = ([counter("a")], [counter("b")]);
     let now = sluice::clock::wall_ms();

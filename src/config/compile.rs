@@ -621,6 +621,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             }
         },
     };
+    let (timezone, tz) = time_zone(d, &key, r.timezone.as_ref());
     let charge = match &r.charge {
         None => Charge::Reserve,
         Some(v) => match v.get_ref().as_str() {
@@ -675,7 +676,13 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             format!("{key}: limits: needs at least one limit"),
         );
     }
-    let mut limits = limit_list(d, &format!("{key}: limits"), r.limits.get_ref(), &keys);
+    let mut limits = limit_list(
+        d,
+        &format!("{key}: limits"),
+        r.limits.get_ref(),
+        &keys,
+        tz.as_ref(),
+    );
     let mut plan_limits: Vec<(&String, &Spanned<RawPlan>, Vec<Limit>)> = Vec::new();
     for (plan, raw_plan) in &r.plans {
         let pkey = format!("{key}: plans.{plan}");
@@ -693,7 +700,13 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         plan_limits.push((
             plan,
             raw_plan,
-            limit_list(d, &format!("{pkey}: limits"), list.get_ref(), &keys),
+            limit_list(
+                d,
+                &format!("{pkey}: limits"),
+                list.get_ref(),
+                &keys,
+                tz.as_ref(),
+            ),
         ));
     }
     if d.errors.len() > errors_before {
@@ -827,6 +840,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         name: name.into(),
         plan: Arc::from(DEFAULT_PLAN),
         ipv6_prefix,
+        timezone,
         charge,
         refund,
         mode,
@@ -850,11 +864,17 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
 
 /// The limits of one list (`limits` of a policy or of a plan), each checked;
 /// two counting the same window are refused.
-fn limit_list(d: &mut Diag, key: &str, raw: &[Spanned<RawLimit>], keys: &[KeySpec]) -> Vec<Limit> {
+fn limit_list(
+    d: &mut Diag,
+    key: &str,
+    raw: &[Spanned<RawLimit>],
+    keys: &[KeySpec],
+    tz: Option<&jiff::tz::TimeZone>,
+) -> Vec<Limit> {
     let mut limits: Vec<Limit> = Vec::new();
     for (i, raw_limit) in raw.iter().enumerate() {
         let lkey = format!("{key}[{i}]");
-        if let Some(l) = limit(d, &lkey, raw_limit, keys) {
+        if let Some(l) = limit(d, &lkey, raw_limit, keys, tz) {
             let same_keys = |a: &[KeySpec], b: &[KeySpec]| {
                 a.len() == b.len() && a.iter().all(|k| b.contains(k))
             };
@@ -873,20 +893,99 @@ fn limit_list(d: &mut Diag, key: &str, raw: &[Spanned<RawLimit>], keys: &[KeySpe
     limits
 }
 
+/// A policy's `timezone`: its name, and the zone (`None` for UTC, whose
+/// days are the unix epoch's, so that `"1d"` keeps its epoch-aligned
+/// counters). An unknown name is an error; UTC is used meanwhile.
+fn time_zone(
+    d: &mut Diag,
+    key: &str,
+    raw: Option<&Spanned<String>>,
+) -> (Arc<str>, Option<jiff::tz::TimeZone>) {
+    let Some(v) = raw else {
+        return (Arc::from("UTC"), None);
+    };
+    let name = v.get_ref().trim();
+    if name.eq_ignore_ascii_case("UTC") {
+        return (Arc::from("UTC"), None);
+    }
+    match jiff::tz::TimeZone::get(name) {
+        Ok(tz) => (Arc::from(name), Some(tz)),
+        Err(_) => {
+            d.err(
+                &v.span(),
+                format!("{key}: timezone: unknown time zone '{name}' (use an IANA name like \"Europe/Berlin\", or \"UTC\")"),
+            );
+            (Arc::from("UTC"), None)
+        }
+    }
+}
+
+/// A limit's window: the span it counts, and for a calendar window its
+/// unit. `tz` is its policy's time zone (`None`: UTC); `fixed` whether the
+/// limit counts fixed windows (only those follow a calendar).
+fn window_value(
+    d: &mut Diag,
+    key: &str,
+    value: &Spanned<String>,
+    tz: Option<&jiff::tz::TimeZone>,
+    fixed: bool,
+) -> Option<(Duration, Option<crate::calendar::Unit>)> {
+    use crate::calendar::Unit;
+    const DAY: u128 = 86_400_000;
+    let text = value.get_ref().trim();
+    match duration::parse_window(text) {
+        Err(e) => {
+            d.err(&value.span(), format!("{key}: {e}"));
+            None
+        }
+        Ok(duration::Window::Span(v)) if v.is_zero() => {
+            d.err(&value.span(), format!("{key}: must be longer than zero"));
+            None
+        }
+        Ok(duration::Window::Calendar(unit)) if !fixed => {
+            d.err(
+                &value.span(),
+                format!("{key}: \"{}\" is a calendar window, counted only by algorithm \"fixed\" (without precision)", unit.text()),
+            );
+            None
+        }
+        Ok(duration::Window::Calendar(unit)) => {
+            Some((Duration::from_millis(unit.nominal_ms()), Some(unit)))
+        }
+        Ok(duration::Window::Span(v)) if fixed && tz.is_some() && v.as_millis() == DAY => {
+            Some((v, Some(Unit::Day)))
+        }
+        Ok(duration::Window::Span(v)) if fixed && tz.is_some() && v.as_millis() % DAY == 0 => {
+            // Days counted from the epoch would start at midnight UTC, not
+            // at the policy's midnight: say so rather than surprise.
+            d.err(
+                &value.span(),
+                format!("{key}: '{text}' would start at midnight UTC, not in the policy's timezone; use \"1d\", \"1w\" or \"1mo\", or hours"),
+            );
+            None
+        }
+        Ok(duration::Window::Span(v)) => Some((v, None)),
+    }
+}
+
 fn limit(
     d: &mut Diag,
     key: &str,
     raw: &Spanned<RawLimit>,
     policy_keys: &[KeySpec],
+    tz: Option<&jiff::tz::TimeZone>,
 ) -> Option<Limit> {
     let r = raw.get_ref();
     let limit = positive(d, &format!("{key}: limit"), &r.limit);
-    let window = duration_value(d, &format!("{key}: window"), &r.window);
+    let name = r.algorithm.as_ref().map(|a| a.get_ref().as_str());
+    let fixed = r.precision.is_none() && matches!(name, None | Some("fixed"));
+    let window = window_value(d, &format!("{key}: window"), &r.window, tz, fixed);
+    let unit = window.and_then(|(_, unit)| unit);
+    let window = window.map(|(span, _)| span);
     let precision = match &r.precision {
         Some(p) => Some((p, duration_value(d, &format!("{key}: precision"), p)?)),
         None => None,
     };
-    let name = r.algorithm.as_ref().map(|a| a.get_ref().as_str());
     let algorithm = match (name, precision) {
         (None | Some("sliding"), Some((p, precision))) => {
             let window = window?;
@@ -958,13 +1057,21 @@ fn limit(
         None => policy_keys.to_vec(),
     };
     let (limit, window) = (limit?, window?);
-    let mut id = format!("{}:{}", duration::format(window), algorithm.name());
+    let calendar = unit.map(|unit| {
+        crate::calendar::Calendar::new(unit, tz.cloned().unwrap_or(jiff::tz::TimeZone::UTC))
+    });
+    let window_text = match &calendar {
+        Some(c) => c.unit.text().to_string(),
+        None => duration::format(window),
+    };
+    let mut id = format!("{window_text}:{}", algorithm.name());
     if let Algorithm::Sliding { precision } = algorithm {
         id += &format!(":{}", duration::format(precision));
     }
     Some(Limit {
         limit,
         window,
+        calendar,
         algorithm,
         keys,
         id,

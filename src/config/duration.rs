@@ -1,9 +1,43 @@
-//! Duration strings of the configuration: `"250ms"`, `"1s"`, `"1m"`, `"1h"`, `"1d"`.
+//! Duration strings of the configuration: `"250ms"`, `"1s"`, `"1m"`, `"1h"`, `"1d"`;
+//! as a limit's window, also the calendar windows `"1w"` and `"1mo"`.
 //!
 //! One number and one unit, nothing else: a config file is read by people, and
 //! `"1m30s"` or `"1.5m"` invite mistakes that a plain `"90s"` avoids.
 
 use std::time::Duration;
+
+use crate::calendar::Unit;
+
+/// A limit's window as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Window {
+    Span(Duration),
+    /// `"1w"` or `"1mo"` (`"1d"` is a span here: whether it follows a time
+    /// zone depends on its policy and algorithm).
+    Calendar(Unit),
+}
+
+/// Parses a limit's window: a duration, `"1w"` or `"1mo"`.
+pub fn parse_window(text: &str) -> Result<Window, String> {
+    let trimmed = text.trim();
+    let calendar = [("mo", Unit::Month), ("w", Unit::Week)]
+        .into_iter()
+        .find_map(|(unit, u)| Some((trimmed.strip_suffix(unit)?, unit, u)));
+    match calendar {
+        Some(("1", _, u)) => Ok(Window::Calendar(u)),
+        Some((n, unit, _)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+            Err(format!(
+                "window '{trimmed}': calendar windows are \"1w\" and \"1mo\" only (not {n}{unit})"
+            ))
+        }
+        _ => parse(text).map(Window::Span).map_err(|e| {
+            e.replace(
+                "(use ms, s, m, h or d)",
+                "(use ms, s, m, h, d, or the calendar windows 1w and 1mo)",
+            )
+        }),
+    }
+}
 
 /// Parses a duration string; the error says what was expected.
 pub fn parse(text: &str) -> Result<Duration, String> {
@@ -65,6 +99,21 @@ mod tests {
         assert_eq!(parse("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse("1h"), Ok(Duration::from_secs(3600)));
         assert_eq!(parse("1d"), Ok(Duration::from_secs(86400)));
+    }
+
+    #[test]
+    fn windows_are_spans_or_calendar_weeks_and_months() {
+        assert_eq!(parse_window("1w"), Ok(Window::Calendar(Unit::Week)));
+        assert_eq!(parse_window("1mo"), Ok(Window::Calendar(Unit::Month)));
+        assert_eq!(
+            parse_window("1d"),
+            Ok(Window::Span(Duration::from_secs(86400)))
+        );
+        for bad in ["2w", "3mo", "0mo", "mo", "1.5w", "1x", "w"] {
+            assert!(parse_window(bad).is_err(), "{bad:?} should be refused");
+        }
+        // Elsewhere a week is no duration.
+        assert!(parse("1w").is_err());
     }
 
     #[test]

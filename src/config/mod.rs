@@ -261,12 +261,27 @@ impl Algorithm {
 #[derive(Debug, Clone)]
 pub struct Limit {
     pub limit: u64,
+    /// A calendar window's nominal length (see [`crate::calendar::Unit::nominal_ms`]).
     pub window: Duration,
+    /// A `fixed` window that starts at midnight, on Monday or on the first of
+    /// the month in its policy's `timezone`: `"1w"`, `"1mo"`, and `"1d"`
+    /// outside UTC. `None`: windows aligned to the unix epoch.
+    pub calendar: Option<crate::calendar::Calendar>,
     pub algorithm: Algorithm,
     pub keys: Vec<KeySpec>,
     /// Stable name of this limit inside its policy, e.g. `1m:fixed`: counters are
     /// stored under it, so reordering limits or reloading keeps them.
     pub id: String,
+}
+
+impl Limit {
+    /// The window as the config writes it: `"1m"`, `"1w"`, `"1mo"`.
+    pub fn window_text(&self) -> String {
+        match &self.calendar {
+            Some(c) => c.unit.text().to_string(),
+            None => duration::format(self.window),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,6 +307,8 @@ pub struct Policy {
     pub plan: Arc<str>,
     /// IPv6 clients are counted by their network of this many bits.
     pub ipv6_prefix: u8,
+    /// `timezone`, the IANA name its calendar windows follow ("UTC" by default).
+    pub timezone: Arc<str>,
     pub charge: Charge,
     pub refund: Vec<StatusCode>,
     pub mode: Mode,
@@ -337,6 +354,7 @@ impl Policy {
             name: self.name.clone(),
             plan: Arc::from(plan),
             ipv6_prefix: self.ipv6_prefix,
+            timezone: self.timezone.clone(),
             charge: self.charge,
             refund: self.refund.clone(),
             mode: self.mode,
@@ -448,9 +466,9 @@ impl IetfTexts {
 
 /// The name of limit `i` of a plan whose names start with `prefix`.
 fn item_id(prefix: &str, limits: &[Limit], i: usize) -> String {
-    let window = limits[i].window;
-    let mut name = format!("{prefix}-{}", duration::format(window));
-    if limits.iter().filter(|o| o.window == window).count() > 1 {
+    let window = limits[i].window_text();
+    let mut name = format!("{prefix}-{window}");
+    if limits.iter().filter(|o| o.window_text() == window).count() > 1 {
         name += &format!("-{i}");
     }
     printable(&name)
@@ -588,10 +606,11 @@ impl fmt::Display for Config {
             let refund: Vec<&str> = p.refund.iter().map(|s| s.as_str()).collect();
             writeln!(
                 f,
-                "  {}: charge {charge} (refund {}), mode {mode}, IPv6 clients by /{}",
+                "  {}: charge {charge} (refund {}), mode {mode}, IPv6 clients by /{}, timezone {}",
                 p.name,
                 refund.join(","),
-                p.ipv6_prefix
+                p.ipv6_prefix,
+                p.timezone
             )?;
             write_limits(f, "    ", &p.limits)?;
             if let Some(spec) = &p.plan_key {
@@ -663,11 +682,16 @@ impl fmt::Display for Config {
 fn write_limits(f: &mut fmt::Formatter<'_>, indent: &str, limits: &[Limit]) -> fmt::Result {
     for l in limits {
         let keys: Vec<String> = l.keys.iter().map(|k| k.to_string()).collect();
+        let calendar = if l.calendar.is_some() {
+            " (calendar)"
+        } else {
+            ""
+        };
         writeln!(
             f,
-            "{indent}{} per {} by {}, {}",
+            "{indent}{} per {} by {}, {}{calendar}",
             l.limit,
-            duration::format(l.window),
+            l.window_text(),
             keys.join(" + "),
             l.algorithm
         )?;

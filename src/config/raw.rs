@@ -91,6 +91,7 @@ pub struct RawPolicy {
     /// `key = "ip"` or `key = ["ip", "header:X-User"]`: checked in `compile.rs`.
     pub key: Option<Spanned<toml::Value>>,
     pub ipv6_prefix: Option<Spanned<i64>>,
+    pub timezone: Option<Spanned<String>>,
     pub charge: Option<Spanned<String>>,
     pub refund: Option<Vec<Spanned<i64>>>,
     pub mode: Option<Spanned<String>>,

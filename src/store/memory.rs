@@ -68,10 +68,8 @@ struct Entry {
 
 #[cfg_attr(test, derive(Clone, Debug, PartialEq))]
 enum State {
-    Fixed {
-        start: u64,
-        count: u64,
-    },
+    /// `window`: the window's name (see [`fixed_window`]).
+    Fixed { window: u64, count: u64 },
     /// (bucket index, units), oldest first, and the sum of their units:
     /// a check then walks only the buckets that left the window, not all
     /// of them (up to 1,000).
@@ -80,13 +78,9 @@ enum State {
         total: u64,
     },
     /// (time ms, units, id), oldest first.
-    Log {
-        entries: VecDeque<(u64, u64, u64)>,
-    },
+    Log { entries: VecDeque<(u64, u64, u64)> },
     /// Theoretical arrival time, unix µs.
-    Gcra {
-        tat_us: u64,
-    },
+    Gcra { tat_us: u64 },
 }
 
 /// A counter's key as (its group, its name in the group).
@@ -304,7 +298,10 @@ fn sweep(inner: &mut Inner, now: u64) {
 
 fn empty(algorithm: Algorithm) -> State {
     match algorithm {
-        Algorithm::Fixed => State::Fixed { start: 0, count: 0 },
+        Algorithm::Fixed => State::Fixed {
+            window: 0,
+            count: 0,
+        },
         Algorithm::Sliding { .. } => State::Sliding {
             buckets: VecDeque::new(),
             total: 0,
@@ -351,15 +348,14 @@ fn check_and_charge(
     charge: bool,
 ) -> Option<(CounterState, Option<u64>)> {
     match (&mut entry.state, c.algorithm) {
-        (State::Fixed { start, count }, Algorithm::Fixed) => {
-            let current = now - now % c.window_ms;
-            let used = if *start == current { *count } else { 0 };
-            let reset_ms = current + c.window_ms;
+        (State::Fixed { window, count }, Algorithm::Fixed) => {
+            let (current, reset_ms) = fixed_window(c, now);
+            let used = if *window == current { *count } else { 0 };
             let s = fixed_verdict(c, used, cost, now, reset_ms);
             if !(charge && s.retry_ms == 0) {
                 return Some((s, None));
             }
-            *start = current;
+            *window = current;
             *count = used + cost;
             entry.expires_ms = reset_ms;
             Some((s, Some(current)))
@@ -385,14 +381,31 @@ fn check_and_charge(
     }
 }
 
+/// A `fixed` counter's window at `now`: (its name, when it ends). An
+/// epoch-aligned window is named by its start, a calendar one by its end
+/// (the store is told no start; see [`super::Ends`]), as acquire.lua does.
+fn fixed_window(c: &Counter, now: u64) -> (u64, u64) {
+    match c.calendar {
+        Some(ends) => {
+            let end = ends.pick(now);
+            (end, end)
+        }
+        None => {
+            let start = now - now % c.window_ms;
+            (start, start + c.window_ms)
+        }
+    }
+}
+
 /// A `fixed` counter's verdict: `used` units of this window taken.
 fn fixed_verdict(c: &Counter, used: u64, cost: u64, now: u64, reset_ms: u64) -> CounterState {
     verdict(c.limit, used, cost, reset_ms, || {
-        // More than the limit can never pass: say so with a whole window.
-        if cost > c.limit {
+        // More than the limit can never pass: say so with a whole window
+        // (a calendar one: until it ends).
+        if cost > c.limit && c.calendar.is_none() {
             c.window_ms
         } else {
-            reset_ms - now
+            reset_ms.saturating_sub(now)
         }
     })
 }
@@ -435,12 +448,12 @@ fn sliding_verdict(
 fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterState {
     match (c.algorithm, state) {
         (Algorithm::Fixed, state) => {
-            let start = now - now % c.window_ms;
+            let (current, reset_ms) = fixed_window(c, now);
             let count = match state {
-                Some(State::Fixed { start: s, count }) if *s == start => *count,
+                Some(State::Fixed { window, count }) if *window == current => *count,
                 _ => 0,
             };
-            fixed_verdict(c, count, cost, now, start + c.window_ms)
+            fixed_verdict(c, count, cost, now, reset_ms)
         }
         (Algorithm::Sliding { precision }, state) => {
             let none = VecDeque::new();
@@ -539,10 +552,10 @@ fn free_after(frees: impl Iterator<Item = (u64, u64)>, need: u64) -> Option<u64>
 /// Adds `cost` units; returns the refund mark.
 fn charge(state: &mut State, c: &Counter, cost: u64, now: u64, id: u64) -> u64 {
     match (state, c.algorithm) {
-        (State::Fixed { start, count }, _) => {
-            let current = now - now % c.window_ms;
-            if *start != current {
-                *start = current;
+        (State::Fixed { window, count }, _) => {
+            let (current, _) = fixed_window(c, now);
+            if *window != current {
+                *window = current;
                 *count = 0;
             }
             *count += cost;
@@ -602,7 +615,7 @@ fn add_to_bucket(list: &mut VecDeque<(u64, u64)>, total: &mut u64, n: u64, b: u6
 
 fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
     match (state, c.algorithm) {
-        (State::Fixed { start, count }, Algorithm::Fixed) if *start == mark => {
+        (State::Fixed { window, count }, Algorithm::Fixed) if *window == mark => {
             *count = count.saturating_sub(cost);
         }
         (State::Sliding { buckets, total }, Algorithm::Sliding { .. }) => {
@@ -632,7 +645,10 @@ fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
 
 fn expiry(state: &State, c: &Counter) -> u64 {
     match (state, c.algorithm) {
-        (State::Fixed { start, .. }, _) => start + c.window_ms,
+        (State::Fixed { window, .. }, _) => match c.calendar {
+            Some(_) => *window,
+            None => window + c.window_ms,
+        },
         (State::Sliding { buckets, .. }, Algorithm::Sliding { precision }) => {
             let p = precision.as_millis() as u64;
             buckets.back().map_or(0, |(i, _)| (i + c.window_ms / p) * p)
@@ -656,6 +672,7 @@ mod tests {
             limit: 100,
             window_ms: 1_000 * limit,
             algorithm: Algorithm::Fixed,
+            calendar: None,
         }
     }
 

@@ -8,7 +8,8 @@
 //! Every store implements the same four algorithms with the same results, so a
 //! policy behaves the same whatever it is stored in. What the algorithms mean:
 //!
-//! - `fixed`: a counter per window; windows are aligned to the unix epoch.
+//! - `fixed`: a counter per window; windows are aligned to the unix epoch,
+//!   or, for calendar windows, have the bounds the limiter gives ([`Ends`]).
 //! - `sliding`: `window / precision` buckets; the buckets of the last `window`
 //!   (the current one included) are summed. Its reset is when the units
 //!   counted now have all left the window.
@@ -53,6 +54,39 @@ pub struct Counter {
     pub limit: u64,
     pub window_ms: u64,
     pub algorithm: Algorithm,
+    /// For a `fixed` calendar window ("1w", "1mo", "1d" outside UTC), whose
+    /// bounds the store cannot work out from `window_ms`: where the current
+    /// and the next window end.
+    pub calendar: Option<Ends>,
+}
+
+/// Where a calendar window ends, as the proxy's clock sees it when it
+/// builds a counter: `end` of the window it is in, and `next_end` of the
+/// one after. The store picks by its own clock (Redis `TIME` with
+/// `clock = "redis"`, which the proxy does not know when it builds the
+/// call): before `end`, the window ending at `end`, else the one ending at
+/// `next_end`. So a decision a few milliseconds either side of a boundary
+/// counts in the window its own clock is in, with the window's true end as
+/// its reset, without the store knowing time zones. A window is named by
+/// its end (the mark a refund compares). A Redis clock behind the proxy's
+/// counts the last moments of a window into the next one: each window still
+/// admits at most its limit. The limiter builds counters afresh once its
+/// clock passes `end` (see `limiter::Counters`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ends {
+    pub end: u64,
+    pub next_end: u64,
+}
+
+impl Ends {
+    /// The end of the window `now_ms` counts in (the window's name too).
+    pub fn pick(self, now_ms: u64) -> u64 {
+        if now_ms < self.end {
+            self.end
+        } else {
+            self.next_end
+        }
+    }
 }
 
 /// What a store keeps with one set of counters from one decision to the next.

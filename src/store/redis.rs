@@ -787,17 +787,18 @@ const HEAD: usize = 25;
 
 /// `head`, then the counters as the scripts take them: 34 bytes each,
 /// `>BBdddI4I4` (key index, algorithm, limit, window ms, parameter, record
-/// tag); see `lua/acquire.lua`. Binary, because parsing decimals in Lua was a
+/// tag; a calendar window's two ends in place of window and parameter);
+/// see `lua/acquire.lua`. Binary, because parsing decimals in Lua was a
 /// third of the script's cost.
 fn spec(head: &[u8], counters: &[Counter], index: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(head.len() + 34 * counters.len());
     out.extend_from_slice(head);
     for (c, &ki) in counters.iter().zip(index) {
-        let (alg, param) = script_params(c);
+        let (alg, window, param) = script_params(c);
         out.push(ki);
         out.push(alg);
         out.extend_from_slice(&(c.limit as f64).to_be_bytes());
-        out.extend_from_slice(&(c.window_ms as f64).to_be_bytes());
+        out.extend_from_slice(&(window as f64).to_be_bytes());
         out.extend_from_slice(&(param as f64).to_be_bytes());
         out.extend_from_slice(&record_tag(c).to_be_bytes());
     }
@@ -877,13 +878,14 @@ fn record_tag(c: &Counter) -> u64 {
     })
 }
 
-/// The script's algorithm code and its parameter for a counter.
-fn script_params(c: &Counter) -> (u8, u64) {
-    match c.algorithm {
-        Algorithm::Fixed => (1, c.window_ms),
-        Algorithm::Sliding { precision } => (1, precision.as_millis() as u64),
-        Algorithm::Log => (2, 0),
-        Algorithm::Gcra { burst } => (3, burst),
+/// The script's algorithm code, window and parameter for a counter.
+fn script_params(c: &Counter) -> (u8, u64, u64) {
+    match (c.algorithm, c.calendar) {
+        (Algorithm::Fixed, Some(ends)) => (4, ends.end, ends.next_end),
+        (Algorithm::Fixed, None) => (1, c.window_ms, c.window_ms),
+        (Algorithm::Sliding { precision }, _) => (1, c.window_ms, precision.as_millis() as u64),
+        (Algorithm::Log, _) => (2, c.window_ms, 0),
+        (Algorithm::Gcra { burst }, _) => (3, c.window_ms, burst),
     }
 }
 
