@@ -119,7 +119,8 @@ async fn memory_and_redis_cluster_stores_decide_identically() {
     calendar_differential(&store_at(None, cluster.seeds(), "cal:")).await;
 }
 
-/// Drives the memory store and `make(seed)` with the same random sequences.
+/// Drives the memory store and `make(seed)` with the same random sequences,
+/// switching plans (the same counters with other limits) now and then.
 async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
     for seed in 1..=4u64 {
         let memory = MemoryStore::new(1_000_000);
@@ -165,6 +166,14 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
                         counters.dedup_by(|a, b| a.key == b.key);
                         let mut seen = std::collections::HashSet::new();
                         counters.retain(|c| seen.insert(c.key.clone()));
+                    }
+                    // A plan switch: the same counters (a plan counts in
+                    // the same keys as the others) with another plan's
+                    // limits, three times the default's. Its counters are
+                    // another set, with a memo of their own (here none).
+                    if rng.below(3) == 0 {
+                        memo = None;
+                        counters.iter_mut().for_each(|c| c.limit *= 3);
                     }
                     let cost = 1 + rng.below(3);
                     let charge = rng.below(5) != 0;
