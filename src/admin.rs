@@ -81,6 +81,14 @@ async fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Full<Bytes>> 
     }
 }
 
+/// The policy named `name` in the config in force.
+fn policy_named<'s>(
+    state: &'s crate::proxy::State,
+    name: &str,
+) -> Option<&'s Arc<crate::config::Policy>> {
+    state.config.policies.iter().find(|p| *p.name == *name)
+}
+
 /// The largest `PUT /plans` body read, and the longest identity value.
 const MAX_PLAN_BODY: usize = 64 * 1024;
 const MAX_VALUE: usize = 4096;
@@ -106,12 +114,7 @@ async fn plans(proxy: &Proxy, req: Request<Incoming>) -> (StatusCode, serde_json
         return problem(StatusCode::BAD_REQUEST, "policy is required".into());
     };
     let state = proxy.state();
-    let Some(policy) = state
-        .config
-        .policies
-        .iter()
-        .find(|p| *p.name == *policy_name)
-    else {
+    let Some(policy) = policy_named(&state, &policy_name) else {
         return problem(StatusCode::NOT_FOUND, format!("no policy '{policy_name}'"));
     };
     if policy.plans.is_empty() {
@@ -303,12 +306,7 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
         }
     };
     let state = proxy.state();
-    let Some(policy) = state
-        .config
-        .policies
-        .iter()
-        .find(|p| *p.name == *policy_name)
-    else {
+    let Some(policy) = policy_named(&state, &policy_name) else {
         return problem(StatusCode::NOT_FOUND, format!("no policy '{policy_name}'"));
     };
     let limiter = proxy.limiter();
