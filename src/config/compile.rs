@@ -780,6 +780,20 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
                 );
                 None
             }
+            // The value that picks the plan must be one the policy counts:
+            // else a client could pick its plan by a value it changes at
+            // will, at no cost to any of its counts.
+            Ok(spec) if !limits.iter().any(|l| l.keys.contains(&spec)) => {
+                let counted: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+                d.err(
+                    &v.span(),
+                    format!(
+                        "{key}: plan_key: '{spec}' is not a key the policy counts ({})",
+                        counted.join(", ")
+                    ),
+                );
+                None
+            }
             Ok(spec) => Some(spec),
             Err(e) => {
                 d.err(&v.span(), format!("{key}: plan_key: {e}"));
