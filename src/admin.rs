@@ -19,6 +19,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
 use crate::config::KeySpec;
+use crate::limiter::Assigned;
 use crate::proxy::Proxy;
 
 /// Serves admin requests until the task is dropped.
@@ -81,6 +82,14 @@ async fn answer(proxy: &Proxy, req: Request<Incoming>) -> Response<Full<Bytes>> 
     }
 }
 
+/// An admin error: its status, and JSON `{"status", "detail"}`.
+fn problem(status: StatusCode, detail: String) -> (StatusCode, serde_json::Value) {
+    (
+        status,
+        serde_json::json!({ "status": status.as_u16(), "detail": detail }),
+    )
+}
+
 /// The policy named `name` in the config in force.
 fn policy_named<'s>(
     state: &'s crate::proxy::State,
@@ -99,12 +108,6 @@ const MAX_VALUE: usize = 4096;
 /// file's, or the default, is in force again), `GET` tells one identity's
 /// plan, or without `value` every assignment of the policy.
 async fn plans(proxy: &Proxy, req: Request<Incoming>) -> (StatusCode, serde_json::Value) {
-    let problem = |status: StatusCode, detail: String| {
-        (
-            status,
-            serde_json::json!({ "status": status.as_u16(), "detail": detail }),
-        )
-    };
     let query = req.uri().query().unwrap_or("").as_bytes().to_vec();
     let policy_name = form_urlencoded::parse(&query)
         .find(|(k, _)| k == "policy")
@@ -136,18 +139,22 @@ async fn plans(proxy: &Proxy, req: Request<Incoming>) -> (StatusCode, serde_json
             .collect::<Vec<_>>()
     };
     // The plan `value` is on, and why.
-    let in_force = |value: &[u8]| match limiter.plans().get(&policy.name, value) {
-        Some(plan) if plan.as_ref() == crate::config::DEFAULT_PLAN => (plan, "run-time"),
-        Some(plan) if policy.plan_index(plan.as_bytes()).is_some() => (plan, "run-time"),
-        // A plan removed from the file since: the default.
-        Some(_) => (
-            Arc::from(crate::config::DEFAULT_PLAN),
-            "run-time (plan removed)",
-        ),
-        None => match policy.assign.get(value) {
-            Some(&i) => (policy.plans[i].plan.clone(), "file"),
-            None => (Arc::from(crate::config::DEFAULT_PLAN), "default"),
-        },
+    let in_force = |value: &[u8]| {
+        let default = || Arc::from(crate::config::DEFAULT_PLAN);
+        match limiter.assigned(policy, value) {
+            Some(Assigned::RunTime { plan: Some(i), .. }) => {
+                (policy.plans[i].plan.clone(), "run-time")
+            }
+            Some(Assigned::RunTime { name, plan: None })
+                if &*name == crate::config::DEFAULT_PLAN =>
+            {
+                (name, "run-time")
+            }
+            // A plan removed from the file since: the default.
+            Some(Assigned::RunTime { plan: None, .. }) => (default(), "run-time (plan removed)"),
+            Some(Assigned::File(i)) => (policy.plans[i].plan.clone(), "file"),
+            None => (default(), "default"),
+        }
     };
     let method = req.method().clone();
     let Some(value) = value else {
@@ -253,12 +260,6 @@ async fn plans(proxy: &Proxy, req: Request<Incoming>) -> (StatusCode, serde_json
 
 /// `GET|DELETE /usage?policy=NAME&key=KEY&value=VALUE`.
 async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_json::Value) {
-    let problem = |status: StatusCode, detail: String| {
-        (
-            status,
-            serde_json::json!({ "status": status.as_u16(), "detail": detail }),
-        )
-    };
     let (mut policy, mut key) = (None, None);
     for (k, v) in form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
         match &*k {

@@ -160,24 +160,19 @@ impl Values {
     }
 }
 
-/// The identities of `spec` for a request (see the module's doc): one value
-/// for `ip` and `global`, one per distinct value for a header or query key.
+/// The identities of `spec` for a request (see the module's doc): the spec
+/// they are counted under (after any fallback) and their values, one for
+/// `ip` and `global`, one per distinct value for a header or query key.
 pub fn identify(
     spec: &KeySpec,
     client: IpAddr,
     ipv6_prefix: u8,
     headers: Fields<'_>,
     query: Option<&str>,
-) -> Result<Vec<Identity>, TooManyValues> {
+) -> Result<(KeySpec, Values), TooManyValues> {
     let mut values = Values::default();
     let spec = identify_into(spec, client, ipv6_prefix, headers, query, &mut values)?;
-    Ok(values
-        .iter()
-        .map(|value| Identity {
-            spec: spec.clone(),
-            value: value.to_vec(),
-        })
-        .collect())
+    Ok((spec.clone(), values))
 }
 
 /// [`identify`] into `out` (emptied first), without allocating once `out`
@@ -427,9 +422,9 @@ mod tests {
     }
 
     fn values(spec: &KeySpec, headers: Fields<'_>, query: Option<&str>) -> (KeySpec, Vec<Vec<u8>>) {
-        let ids = identify(spec, ip("192.0.2.1"), 64, headers, query).expect("few values");
-        let spec = ids[0].spec.clone();
-        (spec, ids.into_iter().map(|id| id.value).collect())
+        let (spec, values) =
+            identify(spec, ip("192.0.2.1"), 64, headers, query).expect("few values");
+        (spec, values.iter().map(<[u8]>::to_vec).collect())
     }
 
     #[test]
@@ -484,8 +479,8 @@ mod tests {
         assert!(identify(&spec, ip("192.0.2.1"), 64, Fields::Map(&h), Some(&ok)).is_ok());
         let q = q.join("&");
         assert_eq!(
-            identify(&spec, ip("192.0.2.1"), 64, Fields::Map(&h), Some(&q)),
-            Err(TooManyValues)
+            identify(&spec, ip("192.0.2.1"), 64, Fields::Map(&h), Some(&q)).err(),
+            Some(TooManyValues)
         );
     }
 
@@ -493,9 +488,9 @@ mod tests {
     fn ipv6_clients_are_counted_by_prefix_and_mapped_ones_as_ipv4() {
         let h = HeaderMap::new();
         let id = |addr: &str, prefix: u8| {
-            identify(&KeySpec::Ip, ip(addr), prefix, Fields::Map(&h), None).unwrap()[0]
-                .value
-                .clone()
+            let (_, values) =
+                identify(&KeySpec::Ip, ip(addr), prefix, Fields::Map(&h), None).expect("one value");
+            values.iter().next().map(<[u8]>::to_vec).unwrap_or_default()
         };
         assert_eq!(id("2001:db8:1:2::1", 64), b"2001:db8:1:2::/64");
         assert_eq!(id("2001:db8:1:2:ffff::9", 64), b"2001:db8:1:2::/64");

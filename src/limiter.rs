@@ -40,6 +40,27 @@ pub enum PlanError {
     Mixed,
 }
 
+/// Where an identity's plan comes from (see [`Limiter::assigned`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Assigned {
+    /// An assignment made at run time: the plan it names, and its index in
+    /// the policy's `plans` (`None`: the default, named so or a plan
+    /// removed from the file since).
+    RunTime { name: Arc<str>, plan: Option<usize> },
+    /// The file's `assign`: an index in the policy's `plans`.
+    File(usize),
+}
+
+impl Assigned {
+    /// The index in the policy's `plans`; `None` for the default.
+    pub fn plan(&self) -> Option<usize> {
+        match self {
+            Assigned::RunTime { plan, .. } => *plan,
+            Assigned::File(i) => Some(*i),
+        }
+    }
+}
+
 /// How long a request of a plan that refuses everything is told to wait
 /// (`Retry-After`): an hour, after which a client may ask whether its plan
 /// has changed.
@@ -101,10 +122,22 @@ impl Limiter {
         &self.plans
     }
 
+    /// The plan `value` of `policy`'s `plan_key` is assigned, if anything
+    /// assigns it one: at run time (which wins), else in the file.
+    pub fn assigned(&self, policy: &Policy, value: &[u8]) -> Option<Assigned> {
+        match self.plans.get(&policy.name, value) {
+            Some(name) => Some(Assigned::RunTime {
+                plan: policy.plan_index(name.as_bytes()),
+                name,
+            }),
+            None => policy.assign.get(value).map(|&i| Assigned::File(i)),
+        }
+    }
+
     /// The plan a request is decided by: `policy` itself (its default plan)
     /// or one of its `plans`. Each value of the policy's `plan_key` picks
-    /// one: its run-time assignment, else the file's, else the plan a
-    /// trusted proxy named in `plan_header` (`trusted_peer`), else the
+    /// one: its [`assigned`](Limiter::assigned) plan, else the plan a proxy
+    /// in `trusted` (the peer, `peer`) named in `plan_header`, else the
     /// default. Values on different plans are refused: whichever value a
     /// backend reads, the request was decided by its plan.
     pub fn plan_of<'p>(
@@ -113,7 +146,7 @@ impl Limiter {
         client: IpAddr,
         headers: Fields<'_>,
         query: Option<&str>,
-        trusted_peer: bool,
+        (peer, trusted): (IpAddr, &[ipnet::IpNet]),
     ) -> Result<&'p Arc<Policy>, PlanError> {
         let Some(spec) = policy
             .plan_key
@@ -122,30 +155,21 @@ impl Limiter {
         else {
             return Ok(policy);
         };
-        let mut values = Values::default();
-        identity::identify_into(
-            spec,
-            client,
-            policy.ipv6_prefix,
-            headers,
-            query,
-            &mut values,
-        )?;
+        let (_, values) = identity::identify(spec, client, policy.ipv6_prefix, headers, query)?;
         let named = || {
-            let header = policy.plan_header.as_ref().filter(|_| trusted_peer)?;
+            let header = policy.plan_header.as_ref()?;
+            if !identity::is_trusted(peer.to_canonical(), trusted) {
+                return None;
+            }
             let name = headers.values(header).next()?;
             // An unknown name means the default.
             Some(policy.plan_index(name.trim_ascii()))
         };
         let mut chosen: Option<Option<usize>> = None;
         for value in values.iter() {
-            let plan = match self.plans.get(&policy.name, value) {
-                // A plan removed from the file since means the default.
-                Some(name) => policy.plan_index(name.as_bytes()),
-                None => match policy.assign.get(value) {
-                    Some(&i) => Some(i),
-                    None => named().flatten(),
-                },
+            let plan = match self.assigned(policy, value) {
+                Some(assigned) => assigned.plan(),
+                None => named().flatten(),
             };
             match chosen {
                 Some(c) if c != plan => return Err(PlanError::Mixed),
@@ -161,10 +185,7 @@ impl Limiter {
     /// The plan `value` of `policy`'s `plan_key` is on, without a request:
     /// its run-time assignment, else the file's, else the default.
     pub fn plan_for_value<'p>(&self, policy: &'p Arc<Policy>, value: &[u8]) -> &'p Arc<Policy> {
-        let index = match self.plans.get(&policy.name, value) {
-            Some(name) => policy.plan_index(name.as_bytes()),
-            None => policy.assign.get(value).copied(),
-        };
+        let index = self.assigned(policy, value).and_then(|a| a.plan());
         index.map_or(policy, |i| &policy.plans[i])
     }
 
@@ -487,10 +508,7 @@ impl Limiter {
         self.store.forget(&counters).await?;
         // Every other instance's deny cache forgets them too.
         if let Store::Redis(redis) = &self.store {
-            let mut field = spec.to_string().into_bytes();
-            field.push(0);
-            field.extend_from_slice(value);
-            let field = crate::plans::field(&policy.name, &field);
+            let field = crate::plans::unban_field(&policy.name, spec, value);
             redis.plan_change("unban", &field, "").await?;
         }
         Ok(())
@@ -652,18 +670,7 @@ fn identities(
     policy
         .specs
         .iter()
-        .map(|spec| {
-            let mut values = Values::default();
-            let counted_as = identity::identify_into(
-                spec,
-                client,
-                policy.ipv6_prefix,
-                headers,
-                query,
-                &mut values,
-            )?;
-            Ok((counted_as.clone(), values))
-        })
+        .map(|spec| identity::identify(spec, client, policy.ipv6_prefix, headers, query))
         .collect()
 }
 

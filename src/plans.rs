@@ -91,15 +91,6 @@ impl Plans {
         all
     }
 
-    /// How many run-time assignments there are.
-    pub fn len(&self) -> usize {
-        self.table.load().values().map(HashMap::len).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Applies assignments and withdrawals to the table (in one copy of it:
     /// a poll applies all it read at once).
     pub fn apply(&self, changes: &[Change]) {
@@ -220,6 +211,15 @@ pub fn field(policy: &str, value: &[u8]) -> Vec<u8> {
     f
 }
 
+/// `POLICY\0SPEC\0VALUE`: an unban's field in the stream (see
+/// [`Change::Unban`]).
+pub fn unban_field(policy: &str, spec: &crate::config::KeySpec, value: &[u8]) -> Vec<u8> {
+    let mut spec_and_value = spec.to_string().into_bytes();
+    spec_and_value.push(0);
+    spec_and_value.extend_from_slice(value);
+    field(policy, &spec_and_value)
+}
+
 /// A field's policy and value (policy names hold no NUL; values may).
 fn split_field(field: &[u8]) -> Option<(&str, &[u8])> {
     let at = field.iter().position(|&b| b == 0)?;
@@ -305,6 +305,6 @@ mod tests {
         ]);
         assert_eq!(plans.get("api", b"a"), None);
         assert_eq!(plans.get("api", b"b").as_deref(), Some("gold"));
-        assert_eq!(plans.len(), 1);
+        assert_eq!(plans.of("api").len(), 1);
     }
 }

@@ -811,9 +811,11 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
     }
     let plan_header = match &r.plan_header {
         None => None,
-        Some(_) if r.plans.is_empty() => {
-            let v = r.plan_header.as_ref().map_or(0..0, |v| v.span());
-            d.err(&v, format!("{key}: plan_header: the policy has no plans"));
+        Some(v) if r.plans.is_empty() => {
+            d.err(
+                &v.span(),
+                format!("{key}: plan_header: the policy has no plans"),
+            );
             None
         }
         Some(v) => match HeaderName::from_bytes(v.get_ref().as_bytes()) {

@@ -182,6 +182,9 @@ struct RequestCtx<'t> {
     /// The request's fields when the front read them (see [`Proxy::handle`]).
     head: Option<&'t HeadFields>,
     route: Option<Arc<str>>,
+    /// The client address, once the identify phase has worked it out (the
+    /// forward phase's per-client slot counts by it too).
+    client: Option<std::net::IpAddr>,
     decision: &'static str,
     upstream_time: Option<Duration>,
     /// The rate-limit fields of the answer, written where it is written.
@@ -369,6 +372,7 @@ impl Proxy {
             timer,
             head,
             route: None,
+            client: None,
             decision: "none",
             upstream_time: None,
             limits: None,
@@ -509,14 +513,14 @@ impl Proxy {
         if let Some(policy) = &route.policy {
             let trusted = &config.server.trusted_proxies;
             let client = identity::client_ip(peer.ip(), fields(req, ctx.head), trusted);
+            ctx.client = Some(client);
             // The policy's plan for this client (itself, without plans).
-            let trusted_peer = identity::is_trusted(peer.ip().to_canonical(), trusted);
             let policy = match self.limiter.plan_of(
                 policy,
                 client,
                 fields(req, ctx.head),
                 req.uri().query(),
-                trusted_peer,
+                (peer.ip(), trusted),
             ) {
                 Ok(policy) => policy,
                 Err(PlanError::TooManyValues(_)) => {
@@ -657,11 +661,13 @@ impl Proxy {
         };
         // A slot of the client's, held until the answer's body is done with.
         let server_config = &state.config.server;
-        let client_ip = identity::client_ip(
-            peer.ip(),
-            fields(req, ctx.head),
-            &server_config.trusted_proxies,
-        );
+        let client_ip = ctx.client.unwrap_or_else(|| {
+            identity::client_ip(
+                peer.ip(),
+                fields(req, ctx.head),
+                &server_config.trusted_proxies,
+            )
+        });
         let max = server_config.max_upstream_per_client;
         let slot = self
             .per_client
@@ -944,13 +950,11 @@ fn request_host(
             }
             h
         }
-        // HTTP/1.1 absolute-form: the target's authority, not Host (RFC
-        // 9112 3.2.2).
-        (Some(_), Some(a)) => HeaderValue::from_str(a.as_str())
+        // The target's authority; over HTTP/1.1 (absolute-form) it wins
+        // over Host (RFC 9112 3.2.2).
+        (_, Some(a)) => HeaderValue::from_str(a.as_str())
             .map_err(|_| ProxyError::Refused(router::Refused::Host("invalid authority")))?,
         (Some(h), None) => h,
-        (None, Some(a)) => HeaderValue::from_str(a.as_str())
-            .map_err(|_| ProxyError::Refused(router::Refused::Host("invalid authority")))?,
         (None, None) if req.version() == Version::HTTP_11 => {
             return Err(ProxyError::BadRequest("HTTP/1.1 request without Host"));
         }
@@ -1038,13 +1042,14 @@ mod tests {
 url = "http://127.0.0.1:1"
 [policies.api]
 limits = [{ limit = 5, window = "1m" }]
+[policies.api.plans.gold]
+limits = [{ limit = 50, window = "1m" }]
 "#;
-        let mut config =
+        let config =
             crate::config::parse(text, "test.toml", std::path::Path::new(".")).expect("valid");
         let own = config.policies[0].clone();
-        // A named plan is a policy value of its own, with the same name.
-        let gold = Arc::new(own.variant("gold", own.limits.clone()));
-        config.policies.push(gold.clone());
+        // A named plan is a policy value of its own, kept by its policy.
+        let gold = own.plans[0].clone();
         let metrics = Metrics::default();
         let state = State::new(config, &metrics).expect("a state");
         state.count_decision(&own, 0);
