@@ -656,11 +656,12 @@ impl RequestBody {
         if limit == 0 || known_larger || self.is_end_stream() {
             return Ok(());
         }
-        let RequestBody::Stream(_) = self else {
-            return Ok(());
-        };
-        let RequestBody::Stream(mut inner) = std::mem::replace(self, RequestBody::Empty) else {
-            return Ok(());
+        let mut inner = match std::mem::replace(self, RequestBody::Empty) {
+            RequestBody::Stream(inner) => inner,
+            other => {
+                *self = other;
+                return Ok(());
+            }
         };
         let mut frames = VecDeque::new();
         let mut size = 0;
