@@ -9,8 +9,12 @@
 --          units, nonce (log entries of this call are "<nonce>:<unit>", so a
 --          refund removes exactly them); then the counters, 34 bytes each,
 --          '>BBdddc8': key index (into KEYS), algorithm (1 buckets, 2 log,
---          3 gcra, 4 calendar window), limit, window ms, precision ms
---          (buckets) or burst (gcra), record tag (64 bits); for a calendar
+--          3 gcra, 4 calendar window, 5 concurrency), limit, window ms,
+--          precision ms (buckets), capacity in us (gcra: burst times the
+--          emission interval, plus the delay a request may be held), or for
+--          concurrency the lease in ms in place of the window and, in mode
+--          2, the slot to free (the mark its acquire returned) in place of
+--          the parameter, record tag (64 bits); for a calendar
 --          window ("1w", "1mo", "1d" outside UTC: a fixed window whose
 --          bounds are no multiple of anything), in place of the window and
 --          precision, the unix ms at which the current window ends and the
@@ -21,6 +25,13 @@
 -- '>ddd' remaining, reset ms, mark (bucket index or nonce; 0 when nothing was
 -- charged), then, only when refused, '>d' per counter: retry ms (an allowed
 -- call's are all 0).
+--
+-- A concurrency counter is a sorted set of slots: member the acquire's
+-- nonce, score the unix ms its lease ends. Every request takes one slot,
+-- whatever its cost; mode 2 (a settlement charging more) frees the slot
+-- instead of taking one. A log counter charged in mode 2 (possibly past
+-- its limit) gets at most limit + 1 entries: past the limit, more entries
+-- of the same instant change no decision.
 --
 -- Binary both ways: parsing decimals was a third of this script's cost, and
 -- parsing an array of integers in the proxy cost more than the script's
@@ -97,6 +108,18 @@ for ki = 1, #KEYS do
             local e = redis.call('ZRANGE', key, need_ - 1, need_ - 1, 'WITHSCORES')
             retry = tonumber(e[2]) + window - now
           end
+        end
+        mark, logs = unpack_('>d', spec, 18), true
+      elseif alg == 5 then
+        local key = KEYS[ki]
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+        local used = redis.call('ZCARD', key)
+        local unit = cost
+        if unit > 1 then unit = 1 end
+        if used + unit <= limit then
+          remaining, reset = limit - used - unit, now
+        else
+          remaining, reset, retry = 0, now + 1000, 1000
         end
         mark, logs = unpack_('>d', spec, 18), true
       else
@@ -269,7 +292,7 @@ for ki = 1, #KEYS do
           mark = b
         else
           local t = max(1, math.floor(window * 1000 / limit))
-          local cap = t * param
+          local cap = param
           local now_us = now * 1000
           local tat = now_us
           if f1 then tat = max(now_us, f1) end
@@ -311,12 +334,19 @@ local charged = mode == 2 or (mode == 1 and allowed)
 if charged then
   -- Log counters: one entry per unit, added in slices to stay within Lua's stack.
   for i = 1, logs and count or 0 do
-    local ki, alg, _, window = unpack_('>BBdd', spec, i * 34 - 8)
-    if alg == 2 then
+    local ki, alg, limit, window, param = unpack_('>BBddd', spec, i * 34 - 8)
+    if alg == 5 and mode == 2 then
+      redis.call('ZREM', KEYS[ki], string.format('%d', param))
+    elseif alg == 5 then
+      redis.call('ZADD', KEYS[ki], now + window, string.format('%d', unpack_('>d', spec, 18)))
+      redis.call('PEXPIRE', KEYS[ki], string.format('%d', window + 1000))
+    elseif alg == 2 then
       local key, unit, prefix = KEYS[ki], 0, string.format('%d:', unpack_('>d', spec, 18))
-      while unit < cost do
+      local units = cost
+      if mode == 2 and units > limit + 1 then units = limit + 1 end
+      while unit < units do
         local args = {}
-        local last = math.min(unit + 1000, cost)
+        local last = math.min(unit + 1000, units)
         for u = unit + 1, last do
           args[#args + 1] = now
           args[#args + 1] = prefix .. u

@@ -7,7 +7,7 @@
 --          the log nonce)
 --
 -- Units whose bucket has left the window are not given back (they no longer
--- count anyway). Records are as acquire.lua describes them. Returns the number
+-- count anyway). Concurrency slots (algorithm 5) are freed, whatever the cost. Records are as acquire.lua describes them. Returns the number
 -- of counters changed.
 
 local unpack_ = struct.unpack
@@ -56,7 +56,12 @@ for i = 1, count do
   local ki, alg, limit, window, param, hi, lo = unpack_('>BBdddI4I4', spec, (i - 1) * 34 + 1)
   local tag = hi * 4294967296 + lo
   local mark = unpack_('>d', marks, (i - 1) * 8 + 1)
-  if alg == 2 then
+  if alg == 5 then
+    -- A concurrency slot: freed whatever the cost.
+    changed = changed + redis.call('ZREM', KEYS[ki], string.format('%d', mark))
+  elseif cost == 0 then
+    -- Only slots to free (a settlement that gives nothing back).
+  elseif alg == 2 then
     local members, prefix = {}, string.format('%d:', mark)
     for u = 1, cost do members[#members + 1] = prefix .. u end
     local start = 1

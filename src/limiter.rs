@@ -14,20 +14,22 @@ use crate::fields::Fields;
 use sha2::{Digest, Sha256};
 
 use crate::clock::Clock;
-use crate::config::{Charge, KeySpec, Mode, Policy};
+use crate::config::{Algorithm, Charge, KeySpec, Mode, Policy};
 use crate::deny_cache::DenyCache;
 use crate::identity::{self, Identity, Values};
 use crate::plans::{Change, Plans, Polled};
 use crate::store::{Counter, Key, Memo, PerCounter, Store, StoreError};
 
 pub struct Limiter {
-    store: Store,
+    store: Arc<Store>,
     clock: Clock,
     /// `store.deny_cache`: only for a remote store (the memory store is as
     /// cheap as the cache).
     deny_cache: Option<DenyCache>,
     /// The plans assigned at run time.
     plans: Plans,
+    /// The `concurrency` slots of requests running here, to renew.
+    leases: Arc<LeaseBook>,
 }
 
 /// Why no plan could be chosen for a request (answered 400).
@@ -87,8 +89,14 @@ pub struct Binding {
 
 /// What the limiter says about a request.
 pub enum Verdict {
-    /// Go on; settle the ticket once the response is known.
-    Allowed { binding: Binding, ticket: Ticket },
+    /// Go on (after `delay_ms`, which a `gcra` limit's `delay` asks; the
+    /// units are charged already); settle the ticket once the response is
+    /// known.
+    Allowed {
+        binding: Binding,
+        ticket: Ticket,
+        delay_ms: u64,
+    },
     /// Rejected: answer 429 with these numbers.
     Limited { binding: Binding },
     /// A shadow policy would have rejected: go on (nothing was charged), but
@@ -100,10 +108,241 @@ pub enum Verdict {
 }
 
 /// What [`Limiter::settle`] needs to give back or charge a request's units.
+/// Dropped unsettled (the client went away), it gives back what its
+/// [`Undo`] says: its `concurrency` slots always, its units while it is
+/// held by a `delay`.
 pub struct Ticket {
     counters: Arc<Counters>,
     marks: PerCounter<u64>,
     cost: u64,
+    undo: Option<Undo>,
+}
+
+/// What a ticket dropped unsettled gives back.
+struct Undo {
+    settler: Settler,
+    /// Its entry in the [`LeaseBook`], when it holds `concurrency` slots.
+    lease: Option<u64>,
+    /// Units to give back (its cost while a `delay` holds it, else 0).
+    units: u64,
+}
+
+impl Ticket {
+    /// The plan the request was decided by.
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.counters.policy
+    }
+
+    /// Whether it holds `concurrency` slots, which the settlement frees.
+    pub fn holds_slots(&self) -> bool {
+        self.undo.as_ref().is_some_and(|u| u.lease.is_some())
+    }
+
+    /// While held by a `delay` (`true`), a ticket dropped unsettled gives
+    /// its units back: the request never went anywhere.
+    pub fn give_back_if_dropped(&mut self, settler: &Settler, held: bool) {
+        let units = if held { self.cost } else { 0 };
+        match &mut self.undo {
+            Some(undo) => undo.units = units,
+            None if held => {
+                self.undo = Some(Undo {
+                    settler: settler.clone(),
+                    lease: None,
+                    units,
+                })
+            }
+            None => {}
+        }
+        if self.undo.as_ref().is_some_and(|u| u.lease.is_none() && u.units == 0) {
+            self.undo = None;
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let Some(undo) = self.undo.take() else {
+            return;
+        };
+        let slots = undo.lease.is_some_and(|id| undo.settler.leases.remove(id));
+        if !slots && undo.units == 0 {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (counters, marks, units) = (self.counters.clone(), self.marks.clone(), undo.units);
+        let settler = undo.settler;
+        runtime.spawn(async move {
+            let now = settler.clock.now_ms();
+            if let Err(e) = settler.store.refund(&counters.list, &marks, units, now).await {
+                crate::store::log_error(&e, "could not give back a request that went away");
+            }
+        });
+    }
+}
+
+/// How a request was settled (see [`Limiter::settle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Settled {
+    /// Everything was given back (a `refund` status, or sluice's own 502/504).
+    pub refunded: bool,
+    /// The units the request was charged in the end.
+    pub charged: u64,
+}
+
+/// What settles tickets, apart from the limiter: a body that settles its
+/// request when it ends keeps one (see `proxy::metering`).
+#[derive(Clone)]
+pub struct Settler {
+    store: Arc<Store>,
+    clock: Clock,
+    leases: Arc<LeaseBook>,
+}
+
+/// The `concurrency` slots of the requests running on this instance, each
+/// renewed once a third of its lease has gone (see [`Limiter::renew_leases`]),
+/// so that a slot outlives its lease only while its request runs.
+#[derive(Default)]
+pub struct LeaseBook {
+    held: Mutex<std::collections::HashMap<u64, Lease>>,
+    next: std::sync::atomic::AtomicU64,
+    /// `sluice_concurrency_slots`, once the proxy has given it.
+    gauge: std::sync::OnceLock<SlotGauge>,
+}
+
+type SlotGauge = prometheus_client::metrics::family::Family<
+    crate::metrics::PolicyLabel,
+    prometheus_client::metrics::gauge::Gauge,
+>;
+
+struct Lease {
+    counters: Arc<Counters>,
+    marks: PerCounter<u64>,
+    /// Unix ms (the proxy's clock) at which to renew it next.
+    renew_at: u64,
+}
+
+impl LeaseBook {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Lease>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many requests hold slots here now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Counts slots held in `gauge` from now on.
+    pub fn count_in(&self, gauge: SlotGauge) {
+        let _ = self.gauge.set(gauge);
+    }
+
+    fn gauge(&self, policy: &Policy) -> Option<prometheus_client::metrics::gauge::Gauge> {
+        let label = crate::metrics::PolicyLabel {
+            policy: policy.name.to_string(),
+        };
+        Some(self.gauge.get()?.get_or_create(&label).clone())
+    }
+
+    fn add(&self, counters: &Arc<Counters>, marks: &PerCounter<u64>, now: u64) -> u64 {
+        use std::sync::atomic::Ordering;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let lease = Lease {
+            counters: counters.clone(),
+            marks: marks.clone(),
+            renew_at: now + counters.lease_ms / 3,
+        };
+        if let Some(g) = self.gauge(&counters.policy) {
+            g.inc();
+        }
+        self.lock().insert(id, lease);
+        id
+    }
+
+    /// Takes entry `id` out; whether it was there (not settled yet).
+    fn remove(&self, id: u64) -> bool {
+        let Some(lease) = self.lock().remove(&id) else {
+            return false;
+        };
+        if let Some(g) = self.gauge(&lease.counters.policy) {
+            g.dec();
+        }
+        true
+    }
+}
+
+impl Settler {
+    /// Settles a request once its answer is known. `proxy_error` is set when
+    /// sluice itself answered 502/504 (the upstream never served it);
+    /// `metered`: what the answer says the request cost (a policy's
+    /// `meter`), `None` to keep what was reserved. One store call at most:
+    /// it gives back or charges the difference, and frees the request's
+    /// `concurrency` slots.
+    pub async fn settle(
+        &self,
+        mut ticket: Ticket,
+        status: StatusCode,
+        proxy_error: bool,
+        metered: Option<u64>,
+    ) -> Result<Settled, StoreError> {
+        let policy = &ticket.counters.policy;
+        let free = proxy_error || policy.refund.contains(&status);
+        let slots = match ticket.undo.take() {
+            Some(Undo { lease: Some(id), .. }) => self.leases.remove(id),
+            _ => false,
+        };
+        let cost = ticket.cost;
+        let (list, marks) = (&ticket.counters.list, &ticket.marks[..]);
+        // The clock is read only when there is something to do (the usual
+        // request has nothing to settle).
+        match policy.charge {
+            Charge::Reserve if free => {
+                let now = self.clock.now_ms();
+                self.store.refund(list, marks, cost, now).await?;
+                Ok(Settled {
+                    refunded: true,
+                    charged: 0,
+                })
+            }
+            Charge::Reserve => {
+                let used = metered.unwrap_or(cost);
+                if used > cost {
+                    let now = self.clock.now_ms();
+                    // A calendar window may have ended since the decision.
+                    let counters = ticket.counters.current(now);
+                    self.store
+                        .charge_more(&counters.list, marks, used - cost, now)
+                        .await?;
+                } else if used < cost || slots {
+                    let now = self.clock.now_ms();
+                    self.store.refund(list, marks, cost - used, now).await?;
+                }
+                Ok(Settled {
+                    refunded: false,
+                    charged: used,
+                })
+            }
+            Charge::After if !free => {
+                let used = metered.unwrap_or(cost);
+                let now = self.clock.now_ms();
+                let counters = ticket.counters.current(now);
+                self.store.charge(&counters.list, used, now).await?;
+                Ok(Settled {
+                    refunded: false,
+                    charged: used,
+                })
+            }
+            Charge::After => Ok(Settled {
+                refunded: true,
+                charged: 0,
+            }),
+        }
+    }
 }
 
 impl Limiter {
@@ -111,10 +350,11 @@ impl Limiter {
         let deny_cache =
             (deny_cache && !matches!(store, Store::Memory(_))).then(DenyCache::default);
         Limiter {
-            store,
+            store: Arc::new(store),
             clock,
             deny_cache,
             plans: Plans::default(),
+            leases: Arc::default(),
         }
     }
 
@@ -198,7 +438,7 @@ impl Limiter {
         value: &[u8],
         plan: Option<&str>,
     ) -> Result<(), StoreError> {
-        if let Store::Redis(redis) = &self.store {
+        if let Store::Redis(redis) = &*self.store {
             let (op, name) = match plan {
                 Some(name) => ("set", name),
                 None => ("del", ""),
@@ -223,7 +463,7 @@ impl Limiter {
     /// them and their unbans to the deny cache; `reload`: read every
     /// assignment again. Called every [`crate::plans::POLL`].
     pub async fn sync_plans(&self, policies: &[Arc<Policy>], reload: bool) {
-        let Store::Redis(redis) = &self.store else {
+        let Store::Redis(redis) = &*self.store else {
             return;
         };
         let polled = match self.plans.poll(redis, reload).await {
@@ -314,9 +554,28 @@ impl Limiter {
         {
             return Ok(Verdict::Limited { binding });
         }
-        let outcome = (self.store)
+        let mut outcome = (self.store)
             .acquire(counters, Some(&set.memo), cost, charge, now)
             .await?;
+        // A `gcra` limit with a `delay` passes a request it holds first:
+        // the wait, and what its headers show, follow from its reset (its
+        // theoretical arrival time) and its burst.
+        let mut delay_ms = 0;
+        if outcome.allowed {
+            for (i, c) in counters.iter().enumerate() {
+                let Algorithm::Gcra { burst, delay } = c.algorithm else {
+                    continue;
+                };
+                if delay.is_zero() {
+                    continue;
+                }
+                let t = (c.window_ms * 1000 / c.limit.max(1)).max(1);
+                let ahead_us = outcome.states[i].reset_ms.saturating_sub(outcome.now_ms) * 1000;
+                let wait_us = ahead_us.saturating_sub(t.saturating_mul(burst));
+                delay_ms = delay_ms.max(wait_us.div_ceil(1000));
+                outcome.states[i].remaining = t.saturating_mul(burst).saturating_sub(ahead_us) / t;
+            }
+        }
         let binding = |i: usize| {
             let s = outcome.states[i];
             let l = &policy.limits[limit_of[i]];
@@ -333,7 +592,9 @@ impl Limiter {
         };
         if let (Some(cache), false) = (cache, outcome.allowed) {
             for (i, s) in outcome.states.iter().enumerate() {
-                if s.retry_ms > 0 {
+                // A slot may come free at any moment: not cached.
+                let slot = matches!(counters[i].algorithm, Algorithm::Concurrency { .. });
+                if s.retry_ms > 0 && !slot {
                     cache.insert(&counters[i].key, cost, binding(i), now);
                 }
             }
@@ -366,50 +627,81 @@ impl Limiter {
             .filter(|&i| outcome.states[i].retry_ms > 0 && limit_of[i] < 64)
             .fold(0u64, |mask, i| mask | 1 << limit_of[i]);
         let binding = Binding { refused, ..binding };
+        let undo = (outcome.allowed && charge && set.lease_ms > 0).then(|| Undo {
+            lease: Some(self.leases.add(&set, &outcome.marks, now)),
+            settler: self.settler(),
+            units: 0,
+        });
         let ticket = Ticket {
             counters: set,
             marks: outcome.marks,
             cost,
+            undo,
         };
         Ok(match (outcome.allowed, policy.mode) {
-            (true, _) => Verdict::Allowed { binding, ticket },
+            (true, _) => Verdict::Allowed {
+                binding,
+                ticket,
+                delay_ms,
+            },
             (false, Mode::Enforce) => Verdict::Limited { binding },
             (false, Mode::Shadow) => Verdict::ShadowLimited { binding },
         })
     }
 
-    /// Settles a request once its status is known. `proxy_error` is set when
-    /// sluice itself answered 502/504 (the upstream never served it).
-    /// Returns whether units were given back.
+    /// What settles tickets, for a body that settles its request when it
+    /// ends.
+    pub fn settler(&self) -> Settler {
+        Settler {
+            store: self.store.clone(),
+            clock: self.clock.clone(),
+            leases: self.leases.clone(),
+        }
+    }
+
+    /// The requests holding `concurrency` slots here.
+    pub fn leases(&self) -> &LeaseBook {
+        &self.leases
+    }
+
+    /// Renews the slots of the requests that have run for a third of their
+    /// lease since they were taken or last renewed. Called every
+    /// [`RENEW_EVERY`].
+    pub async fn renew_leases(&self) {
+        let now = self.clock.now_ms();
+        let due: Vec<(Arc<Counters>, PerCounter<u64>)> = {
+            let mut book = self.leases.lock();
+            book.values_mut()
+                .filter(|l| l.renew_at <= now)
+                .map(|l| {
+                    l.renew_at = now + l.counters.lease_ms / 3;
+                    (l.counters.clone(), l.marks.clone())
+                })
+                .collect()
+        };
+        for (counters, marks) in due {
+            if let Err(e) = self.store.renew(&counters.list, &marks, now).await {
+                crate::store::log_error(&e, "could not renew a concurrency slot");
+            }
+        }
+    }
+
+    /// Settles a request once its answer is known: see [`Settler::settle`].
     pub async fn settle(
         &self,
         ticket: Ticket,
         status: StatusCode,
         proxy_error: bool,
-    ) -> Result<bool, StoreError> {
-        let policy = &ticket.counters.policy;
-        let free = proxy_error || policy.refund.contains(&status);
-        // The clock is read only when there is something to do (the usual
-        // request has nothing to settle).
-        match policy.charge {
-            Charge::Reserve if free => {
-                let now = self.clock.now_ms();
-                self.store
-                    .refund(&ticket.counters.list, &ticket.marks, ticket.cost, now)
-                    .await?;
-                Ok(true)
-            }
-            Charge::After if !free => {
-                let now = self.clock.now_ms();
-                // A calendar window may have ended since the decision.
-                let counters = ticket.counters.current(now);
-                self.store.charge(&counters.list, ticket.cost, now).await?;
-                Ok(false)
-            }
-            _ => Ok(false),
-        }
+        metered: Option<u64>,
+    ) -> Result<Settled, StoreError> {
+        self.settler()
+            .settle(ticket, status, proxy_error, metered)
+            .await
     }
 }
+
+/// How often [`Limiter::renew_leases`] looks for slots to renew.
+pub const RENEW_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// One limit's standing for one identity, as the usage endpoint reports it.
 pub struct Usage {
@@ -507,7 +799,7 @@ impl Limiter {
         }
         self.store.forget(&counters).await?;
         // Every other instance's deny cache forgets them too.
-        if let Store::Redis(redis) = &self.store {
+        if let Store::Redis(redis) = &*self.store {
             let field = crate::plans::unban_field(&policy.name, spec, value);
             redis.plan_change("unban", &field, "").await?;
         }
@@ -531,6 +823,8 @@ pub struct Counters {
     /// windows ends: from then on they are built afresh, with the next
     /// windows' bounds (`u64::MAX` without calendar windows).
     until: u64,
+    /// The shortest lease of its `concurrency` counters; 0 without any.
+    lease_ms: u64,
 }
 
 impl Counters {
@@ -579,6 +873,14 @@ impl Counters {
             .filter_map(|c| c.calendar.map(|e| e.end))
             .min()
             .unwrap_or(u64::MAX);
+        let lease_ms = list
+            .iter()
+            .filter_map(|c| match c.algorithm {
+                Algorithm::Concurrency { lease } => Some(lease.as_millis() as u64),
+                _ => None,
+            })
+            .min()
+            .unwrap_or(0);
         Counters {
             policy: policy.clone(),
             ids,
@@ -586,6 +888,7 @@ impl Counters {
             limit_of,
             memo: Memo::default(),
             until,
+            lease_ms,
         }
     }
 }

@@ -7,7 +7,13 @@
 //! shadow_limited, store_error), `refunds_total{policy}`, `store_errors_total`,
 //! `store_call_seconds` and `upstream_seconds{upstream}` (histograms),
 //! `config_reloads_total{result}`, `underscore_headers_total{action}`
-//! (request fields with `_` in their names, dropped or rejected).
+//! (request fields with `_` in their names, dropped or rejected);
+//! `metered_units_total{policy}` (units metered requests were charged in the
+//! end), `meter_errors_total{policy}` (answers whose meter value was
+//! missing or malformed: the estimate stayed charged), `delayed_total{policy}`
+//! and `delay_seconds_total{policy}` (requests a `gcra` limit's `delay` held,
+//! and for how long), `concurrency_slots{policy}` (slots held by requests
+//! running on this instance).
 
 use std::fmt::Write;
 use std::sync::{Arc, OnceLock};
@@ -15,6 +21,7 @@ use std::sync::{Arc, OnceLock};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -74,6 +81,11 @@ pub struct Metrics {
     pub upstream_seconds: HistogramFamily<UpstreamLabel>,
     pub reloads: Family<ResultLabel, Counter>,
     pub underscores: Family<ActionLabel, Counter>,
+    pub metered_units: Family<PolicyLabel, Counter>,
+    pub meter_errors: Family<PolicyLabel, Counter>,
+    pub delayed: Family<PolicyLabel, Counter>,
+    pub delay_seconds: Family<PolicyLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
+    pub slots: Family<PolicyLabel, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -125,9 +137,44 @@ impl Default for Metrics {
             "Request header fields with '_' in their names, by action (dropped, rejected)",
             underscores.clone(),
         );
+        let metered_units = Family::default();
+        registry.register(
+            "metered_units",
+            "Units metered requests were charged once their answers were known, by policy",
+            metered_units.clone(),
+        );
+        let meter_errors = Family::default();
+        registry.register(
+            "meter_errors",
+            "Answers whose meter value was missing or malformed (the estimate stayed charged), by policy",
+            meter_errors.clone(),
+        );
+        let delayed = Family::default();
+        registry.register(
+            "delayed",
+            "Requests held by a gcra limit's delay, by policy",
+            delayed.clone(),
+        );
+        let delay_seconds = Family::default();
+        registry.register(
+            "delay_seconds",
+            "Time requests were held by a gcra limit's delay, by policy",
+            delay_seconds.clone(),
+        );
+        let slots = Family::default();
+        registry.register(
+            "concurrency_slots",
+            "Concurrency slots held by requests running on this instance, by policy",
+            slots.clone(),
+        );
         Metrics {
             registry,
             underscores,
+            metered_units,
+            meter_errors,
+            delayed,
+            delay_seconds,
+            slots,
             requests,
             decisions,
             refunds,

@@ -121,6 +121,7 @@ impl Server {
         let admin = admin.map(|l| tokio::spawn(crate::admin::serve(l, proxy.clone())));
         let sweeper = tokio::spawn(sweep(proxy.clone(), clock));
         let plan_sync = tokio::spawn(sync_plans(proxy.clone()));
+        let renewer = tokio::spawn(renew_leases(proxy.clone()));
         // Load the scripts before serving (each load is bounded by
         // store.timeout; if Redis is down, requests load them on demand).
         if let Store::Redis(r) = proxy.limiter().store() {
@@ -280,6 +281,7 @@ impl Server {
         }
         sweeper.abort();
         plan_sync.abort();
+        renewer.abort();
         if let Some(admin) = admin {
             admin.abort();
         }
@@ -500,6 +502,19 @@ async fn sync_plans(proxy: Arc<Proxy>) {
             .limiter()
             .sync_plans(&state.config.policies, reload)
             .await;
+    }
+}
+
+/// Renews the `concurrency` slots of long requests (see
+/// [`crate::limiter::Limiter::renew_leases`]).
+async fn renew_leases(proxy: Arc<Proxy>) {
+    let mut tick = tokio::time::interval(crate::limiter::RENEW_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if !proxy.limiter().leases().is_empty() {
+            proxy.limiter().renew_leases().await;
+        }
     }
 }
 

@@ -238,6 +238,7 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
         tls: None,
         escaped_slashes: EscapedSlashes::Reject,
         underscore_headers: UnderscoreHeaders::Drop,
+        max_delayed: 1024,
     };
     if let Some(v) = &raw.listen {
         s.listen = socket_addr(d, "server.listen", v).unwrap_or(s.listen);
@@ -314,6 +315,10 @@ fn server(d: &mut Diag, raw: &RawServer, base: &Path) -> ServerConfig {
     if let Some(v) = &raw.max_upstream_per_client {
         s.max_upstream_per_client = count("server.max_upstream_per_client", v, 10_000_000)
             .map_or(s.max_upstream_per_client, |n| n as usize);
+    }
+    if let Some(v) = &raw.max_delayed {
+        s.max_delayed =
+            count("server.max_delayed", v, 10_000_000).map_or(s.max_delayed, |n| n as usize);
     }
     if let Some(v) = &raw.max_header_bytes {
         match positive(d, "server.max_header_bytes", v) {
@@ -652,6 +657,31 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             }
         },
     };
+    let meter = r.meter.as_ref().and_then(|v| {
+        let text = v.get_ref().trim();
+        let mut named = |kind: &str, name: &str| match HeaderName::from_bytes(name.as_bytes()) {
+            Ok(name) => Some(name),
+            Err(_) => {
+                d.err(
+                    &v.span(),
+                    format!("{key}: meter: '{name}' is not a {kind} name"),
+                );
+                None
+            }
+        };
+        match text.split_once(':') {
+            None if text == "body-bytes" => Some(Meter::BodyBytes),
+            Some(("header", name)) => named("header", name).map(Meter::Header),
+            Some(("trailer", name)) => named("trailer", name).map(Meter::Trailer),
+            _ => {
+                d.err(
+                    &v.span(),
+                    format!("{key}: meter: unknown meter '{text}' (use \"header:NAME\", \"trailer:NAME\" or \"body-bytes\")"),
+                );
+                None
+            }
+        }
+    });
     let mut refund = Vec::new();
     match &r.refund {
         None => refund.push(StatusCode::NOT_MODIFIED),
@@ -708,6 +738,20 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
                 tz.as_ref(),
             ),
         ));
+    }
+    // A slot is taken with the decision and held while the request runs:
+    // `charge = "after"` takes nothing before the response.
+    if charge == Charge::After {
+        let slots = std::iter::once(&limits)
+            .chain(plan_limits.iter().map(|(_, _, l)| l))
+            .flatten()
+            .any(|l| matches!(l.algorithm, Algorithm::Concurrency { .. }));
+        if let (true, Some(v)) = (slots, &r.charge) {
+            d.err(
+                &v.span(),
+                format!("{key}: charge: a \"concurrency\" limit takes its slot with the decision; use charge = \"reserve\""),
+            );
+        }
     }
     if d.errors.len() > errors_before {
         return None;
@@ -860,6 +904,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         charge,
         refund,
         mode,
+        meter,
         limits: Vec::new(),
         specs: Vec::new(),
         plans: Vec::new(),
@@ -994,8 +1039,25 @@ fn limit(
     let r = raw.get_ref();
     let limit = positive(d, &format!("{key}: limit"), &r.limit);
     let name = r.algorithm.as_ref().map(|a| a.get_ref().as_str());
+    if name == Some("concurrency") {
+        return concurrency_limit(d, key, raw, limit, policy_keys);
+    }
+    if let Some(v) = &r.lease {
+        d.err(
+            &v.span(),
+            format!("{key}: lease applies only to algorithm \"concurrency\""),
+        );
+        return None;
+    }
+    let Some(raw_window) = &r.window else {
+        d.err(
+            &raw.span(),
+            format!("{key}: window: missing (like window = \"1m\")"),
+        );
+        return None;
+    };
     let fixed = r.precision.is_none() && matches!(name, None | Some("fixed"));
-    let window = window_value(d, &format!("{key}: window"), &r.window, tz, fixed);
+    let window = window_value(d, &format!("{key}: window"), raw_window, tz, fixed);
     let unit = window.and_then(|(_, unit)| unit);
     let window = window.map(|(span, _)| span);
     let precision = match &r.precision {
@@ -1011,7 +1073,7 @@ fn limit(
                     format!(
                         "{key}: precision '{}' does not divide window '{}'",
                         p.get_ref(),
-                        r.window.get_ref()
+                        raw_window.get_ref()
                     ),
                 );
                 return None;
@@ -1043,7 +1105,11 @@ fn limit(
                 Some(b) => positive(d, &format!("{key}: burst"), b)?,
                 None => 1,
             };
-            Algorithm::Gcra { burst }
+            let delay = match &r.delay {
+                Some(v) => duration_value(d, &format!("{key}: delay"), v)?,
+                None => Duration::ZERO,
+            };
+            Algorithm::Gcra { burst, delay }
         }
         (Some(other @ ("fixed" | "log" | "gcra")), Some((p, _))) => {
             d.err(
@@ -1056,7 +1122,7 @@ fn limit(
             let a = r.algorithm.as_ref()?;
             d.err(
                 &a.span(),
-                format!("{key}: unknown algorithm '{other}' (use \"fixed\", \"sliding\", \"log\" or \"gcra\")"),
+                format!("{key}: unknown algorithm '{other}' (use \"fixed\", \"sliding\", \"log\", \"gcra\" or \"concurrency\")"),
             );
             return None;
         }
@@ -1065,6 +1131,13 @@ fn limit(
         d.err(
             &b.span(),
             format!("{key}: burst applies only to algorithm \"gcra\""),
+        );
+        return None;
+    }
+    if let (Some(v), false) = (&r.delay, matches!(algorithm, Algorithm::Gcra { .. })) {
+        d.err(
+            &v.span(),
+            format!("{key}: delay applies only to algorithm \"gcra\" (nginx's limit_req burst without nodelay)"),
         );
         return None;
     }
@@ -1091,6 +1164,66 @@ fn limit(
         algorithm,
         keys,
         id,
+    })
+}
+
+/// A `concurrency` limit: `limit` requests in flight, each slot a lease of
+/// `lease` (30 s by default) renewed while its request runs. It has no
+/// window; its one counter per identity is named `concurrency`.
+fn concurrency_limit(
+    d: &mut Diag,
+    key: &str,
+    raw: &Spanned<RawLimit>,
+    limit: Option<u64>,
+    policy_keys: &[KeySpec],
+) -> Option<Limit> {
+    let r = raw.get_ref();
+    let refuse = |d: &mut Diag, span: Range<usize>, what: &str| {
+        d.err(
+            &span,
+            format!("{key}: {what} does not apply to algorithm \"concurrency\" (it counts requests in flight; see lease)"),
+        );
+    };
+    if let Some(v) = &r.window {
+        refuse(d, v.span(), "window");
+    }
+    if let Some(v) = &r.precision {
+        refuse(d, v.span(), "precision");
+    }
+    if let Some(v) = &r.burst {
+        refuse(d, v.span(), "burst");
+    }
+    if let Some(v) = &r.delay {
+        refuse(d, v.span(), "delay");
+    }
+    let lease = match &r.lease {
+        Some(v) => {
+            let lease = duration_value(d, &format!("{key}: lease"), v)?;
+            if lease < Duration::from_secs(1) {
+                d.err(
+                    &v.span(),
+                    format!("{key}: lease: must be at least 1s (it is renewed every third of it)"),
+                );
+                return None;
+            }
+            lease
+        }
+        None => Duration::from_secs(30),
+    };
+    let keys = match &r.key {
+        Some(v) => key_specs(d, &format!("{key}: key"), v)?,
+        None => policy_keys.to_vec(),
+    };
+    if r.window.is_some() || r.precision.is_some() || r.burst.is_some() || r.delay.is_some() {
+        return None;
+    }
+    Some(Limit {
+        limit: limit?,
+        window: lease,
+        calendar: None,
+        algorithm: Algorithm::Concurrency { lease },
+        keys,
+        id: "concurrency".to_string(),
     })
 }
 

@@ -75,6 +75,8 @@ pub struct ServerConfig {
     pub escaped_slashes: EscapedSlashes,
     /// What a request header whose name holds `_` gets.
     pub underscore_headers: UnderscoreHeaders,
+    /// Requests held at once by `gcra` limits' `delay`; past it, 429.
+    pub max_delayed: usize,
 }
 
 /// `server.escaped_slashes`: `%2F`, `%5C` and `\` in a request path.
@@ -229,7 +231,10 @@ pub enum Algorithm {
     Fixed,
     Sliding { precision: Duration },
     Log,
-    Gcra { burst: u64 },
+    /// `delay`: a request that would pass within it is held, then passes.
+    Gcra { burst: u64, delay: Duration },
+    /// Requests in flight at once; a slot lives `lease` unless renewed.
+    Concurrency { lease: Duration },
 }
 
 impl fmt::Display for Algorithm {
@@ -240,7 +245,15 @@ impl fmt::Display for Algorithm {
                 write!(f, "sliding (precision {})", duration::format(*precision))
             }
             Algorithm::Log => f.write_str("log"),
-            Algorithm::Gcra { burst } => write!(f, "gcra (burst {burst})"),
+            Algorithm::Gcra { burst, delay } if delay.is_zero() => {
+                write!(f, "gcra (burst {burst})")
+            }
+            Algorithm::Gcra { burst, delay } => {
+                write!(f, "gcra (burst {burst}, delay {})", duration::format(*delay))
+            }
+            Algorithm::Concurrency { lease } => {
+                write!(f, "concurrency (lease {})", duration::format(*lease))
+            }
         }
     }
 }
@@ -253,6 +266,7 @@ impl Algorithm {
             Algorithm::Sliding { .. } => "sliding",
             Algorithm::Log => "log",
             Algorithm::Gcra { .. } => "gcra",
+            Algorithm::Concurrency { .. } => "concurrency",
         }
     }
 }
@@ -277,9 +291,33 @@ pub struct Limit {
 impl Limit {
     /// The window as the config writes it: `"1m"`, `"1w"`, `"1mo"`.
     pub fn window_text(&self) -> String {
+        if let Algorithm::Concurrency { .. } = self.algorithm {
+            return "concurrency".to_string();
+        }
         match &self.calendar {
             Some(c) => c.unit.text().to_string(),
             None => duration::format(self.window),
+        }
+    }
+}
+
+/// A policy's `meter`: where a response tells what its request cost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Meter {
+    /// A field of the response's head.
+    Header(HeaderName),
+    /// A trailer field, read when the body ends.
+    Trailer(HeaderName),
+    /// The body bytes sent to the client.
+    BodyBytes,
+}
+
+impl fmt::Display for Meter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Meter::Header(name) => write!(f, "header:{name}"),
+            Meter::Trailer(name) => write!(f, "trailer:{name}"),
+            Meter::BodyBytes => f.write_str("body-bytes"),
         }
     }
 }
@@ -312,6 +350,8 @@ pub struct Policy {
     pub charge: Charge,
     pub refund: Vec<StatusCode>,
     pub mode: Mode,
+    /// `meter`: where the response says what a request really cost.
+    pub meter: Option<Meter>,
     pub limits: Vec<Limit>,
     /// The distinct key specs of its limits, in order of first use: a request
     /// has one identity for each.
@@ -358,6 +398,7 @@ impl Policy {
             charge: self.charge,
             refund: self.refund.clone(),
             mode: self.mode,
+            meter: self.meter.clone(),
             limits,
             specs,
             plans: Vec::new(),
@@ -415,6 +456,10 @@ impl IetfTexts {
         };
         let names: Vec<String> = ids.iter().map(|id| sf_string(id)).collect();
         let item = |i: usize| match limits.get(i) {
+            Some(l) if matches!(l.algorithm, Algorithm::Concurrency { .. }) => format!(
+                "{};q={};qu=\"concurrent-requests\"",
+                names[i], l.limit
+            ),
             Some(l) => format!(
                 "{};q={};w={}",
                 names[i],

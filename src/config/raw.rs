@@ -45,6 +45,7 @@ pub struct RawServer {
     pub tls: Option<Spanned<RawTls>>,
     pub escaped_slashes: Option<Spanned<String>>,
     pub underscore_headers: Option<Spanned<String>>,
+    pub max_delayed: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,6 +96,8 @@ pub struct RawPolicy {
     pub charge: Option<Spanned<String>>,
     pub refund: Option<Vec<Spanned<i64>>>,
     pub mode: Option<Spanned<String>>,
+    /// `"header:NAME"`, `"trailer:NAME"` or `"body-bytes"`: checked in `compile.rs`.
+    pub meter: Option<Spanned<String>>,
     pub limits: Spanned<Vec<Spanned<RawLimit>>>,
     /// `[policies.NAME.plans.PLAN]`: named sets of limits in place of `limits`.
     #[serde(default)]
@@ -118,10 +121,15 @@ pub struct RawPlan {
 #[serde(deny_unknown_fields)]
 pub struct RawLimit {
     pub limit: Spanned<i64>,
-    pub window: Spanned<String>,
+    /// Required but for `algorithm = "concurrency"`, which has none.
+    pub window: Option<Spanned<String>>,
     pub precision: Option<Spanned<String>>,
     pub algorithm: Option<Spanned<String>>,
     pub burst: Option<Spanned<i64>>,
+    /// `gcra` only: how long a request may be held rather than refused.
+    pub delay: Option<Spanned<String>>,
+    /// `concurrency` only: how long a slot lives unless renewed.
+    pub lease: Option<Spanned<String>>,
     /// `key = "ip"` or `key = ["ip", "header:X-User"]`: checked in `compile.rs`.
     pub key: Option<Spanned<toml::Value>>,
 }

@@ -539,6 +539,11 @@ impl Reader {
         self.fields.take()
     }
 
+    /// The answer's fields as read, while they are here.
+    pub fn fields(&self) -> Option<&Fields> {
+        self.fields.as_deref()
+    }
+
     pub fn is_end(&self) -> bool {
         matches!(self.framing, Framing::Done | Framing::Length(0))
     }

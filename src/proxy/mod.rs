@@ -4,9 +4,11 @@
 //! 1. **match**: the route (404 if none), after the request's own checks (400, 431);
 //! 2. **identify**: the client address (trusted proxies considered), when a
 //!    policy will count it;
-//! 3. **decide**: the limiter's verdict (429 ends the request here);
+//! 3. **decide**: the limiter's verdict (429 ends the request here; a
+//!    `gcra` limit's `delay` holds it first);
 //! 4. **forward**: to the upstream, or the route's own `respond`;
-//! 5. **settle**: refund or charge now that the status is known;
+//! 5. **settle**: refund or charge now that the status is known (or, for a
+//!    metered request or one holding `concurrency` slots, when the body ends);
 //! 6. **log**: one access-log event.
 //!
 //! - `forward.rs`: request/response rewriting for the upstream;
@@ -14,6 +16,8 @@
 //!   bodies on their way (read ahead of slow clients, taken whole before
 //!   forwarding, up to the upstream's `buffer`);
 //! - `per_client.rs`: upstream exchanges in flight per client address;
+//! - `metering.rs`: requests settled when their answer's body ends (a
+//!   `meter` in the trailers or the body's bytes, `concurrency` slots);
 //! - `h1.rs`: sluice's own HTTP/1.1 exchange, for requests without a body;
 //! - `plain_head.rs`: the quick parser for usual heads (answers here,
 //!   requests in `crate::front`);
@@ -23,6 +27,7 @@
 mod error;
 mod forward;
 mod h1;
+mod metering;
 mod per_client;
 pub(crate) mod plain_head;
 mod pool;
@@ -52,7 +57,9 @@ pub use pool::RequestBody;
 pub use error::ProxyError;
 pub use ratelimit_headers::Limits;
 
-use crate::config::{Config, OnError, Policy, Route, StoreConfig, Target, UnderscoreHeaders};
+use crate::config::{
+    Config, Meter, Mode, OnError, Policy, Route, StoreConfig, Target, UnderscoreHeaders,
+};
 use crate::fields::{Fields, HeadFields};
 use crate::identity;
 use crate::limiter::{Binding, KeyCache, Limiter, PlanError, Ticket, Verdict};
@@ -166,6 +173,8 @@ pub struct Proxy {
     boot: Boot,
     /// Upstream exchanges in flight per client address.
     per_client: Arc<per_client::PerClient>,
+    /// Requests a `gcra` limit's `delay` holds now (`server.max_delayed`).
+    delayed: std::sync::atomic::AtomicUsize,
 }
 
 /// The settings a reload cannot change.
@@ -189,6 +198,8 @@ struct RequestCtx<'t> {
     upstream_time: Option<Duration>,
     /// The rate-limit fields of the answer, written where it is written.
     limits: Option<Limits>,
+    /// How long a `gcra` limit's `delay` held the request, in ms.
+    delayed_ms: u64,
 }
 
 /// `exchange`'s output, or `None` once `deadline` has passed.
@@ -240,6 +251,7 @@ impl Proxy {
             store: config.store.clone(),
         };
         let metrics = Arc::new(Metrics::default());
+        limiter.leases().count_in(metrics.slots.clone());
         Ok(Proxy {
             boot,
             state: ArcSwap::from_pointee(State::new(config, &metrics)?),
@@ -248,6 +260,7 @@ impl Proxy {
             metrics,
             https,
             per_client: Arc::default(),
+            delayed: Default::default(),
         })
     }
 
@@ -376,6 +389,7 @@ impl Proxy {
             decision: "none",
             upstream_time: None,
             limits: None,
+            delayed_ms: 0,
         };
         // Kept only when the access log is on (it usually is not under load
         // tests). The log never shows the query: it often carries credentials.
@@ -556,7 +570,49 @@ impl Proxy {
             match verdict {
                 Ok(Verdict::Allowed {
                     binding: b,
+                    ticket: mut t,
+                    delay_ms,
+                }) if delay_ms > 0 && policy.mode == Mode::Enforce => {
+                    let max = config.server.max_delayed;
+                    let Some(_held) = Held::take(&self.delayed, max) else {
+                        // Past `server.max_delayed`: refused, and given back.
+                        ctx.decision = "limited";
+                        state.count_decision(policy, 2);
+                        if let Err(e) = self
+                            .limiter
+                            .settle(t, StatusCode::TOO_MANY_REQUESTS, true, None)
+                            .await
+                        {
+                            log_store_error(&e);
+                        }
+                        let b = Binding {
+                            remaining: 0,
+                            retry_ms: delay_ms,
+                            refused: 1u64.checked_shl(b.index as u32).unwrap_or(0),
+                            ..b
+                        };
+                        return Ok(self.limited(config, policy, b, ctx));
+                    };
+                    ctx.decision = "delayed";
+                    state.count_decision(policy, 0);
+                    // A client that leaves while held gets its units back.
+                    let settler = self.limiter.settler();
+                    t.give_back_if_dropped(&settler, true);
+                    tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                    t.give_back_if_dropped(&settler, false);
+                    let label = crate::metrics::PolicyLabel {
+                        policy: policy.name.to_string(),
+                    };
+                    self.metrics.delayed.get_or_create(&label).inc();
+                    (self.metrics.delay_seconds.get_or_create(&label)).inc_by(delay_ms as f64 / 1000.0);
+                    ctx.delayed_ms = delay_ms;
+                    binding = Some(b);
+                    ticket = Some(t);
+                }
+                Ok(Verdict::Allowed {
+                    binding: b,
                     ticket: t,
+                    ..
                 }) => {
                     ctx.decision = "allowed";
                     state.count_decision(policy, 0);
@@ -572,14 +628,7 @@ impl Proxy {
                 Ok(Verdict::Limited { binding: b }) => {
                     ctx.decision = "limited";
                     state.count_decision(policy, 2);
-                    let limits = Limits::new(config.headers, policy, b);
-                    let resp = ProxyError::Limited {
-                        retry_after: ratelimit_headers::retry_after(&b),
-                        violated: limits.as_ref().and_then(Limits::violated),
-                    }
-                    .response();
-                    ctx.limits = limits;
-                    return Ok(resp);
+                    return Ok(self.limited(config, policy, b, ctx));
                 }
                 Ok(Verdict::TooManyValues) => {
                     ctx.decision = "too-many-identities";
@@ -601,37 +650,108 @@ impl Proxy {
         let outcome = self.forward(route, req, peer, host, state, ctx).await;
 
         // 5. settle
-        let status = match &outcome {
-            Ok(resp) => resp.status(),
-            Err(e) => e.status(),
-        };
+        let mut outcome = outcome;
         if let Some(ticket) = ticket {
-            let upstream_failed = outcome
-                .as_ref()
-                .err()
-                .is_some_and(ProxyError::is_upstream_failure);
-            let policy = plan.map_or("-", |p| &*p.name);
-            match self.limiter.settle(ticket, status, upstream_failed).await {
-                Ok(true) => {
-                    self.metrics
-                        .refunds
-                        .get_or_create(&crate::metrics::PolicyLabel {
-                            policy: policy.to_string(),
-                        })
-                        .inc();
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    self.metrics.store_errors.inc();
-                    log_store_error(&e);
-                }
-            }
+            self.settle(ticket, &mut outcome).await;
         }
         let resp = outcome?;
         if let (Some(b), Some(policy)) = (binding, plan) {
             ctx.limits = Limits::new(config.headers, policy, b);
+            if let Some(limits) = &mut ctx.limits {
+                limits.delayed(ctx.delayed_ms);
+            }
         }
         Ok(resp)
+    }
+
+    /// The 429 of a request a limit refused, its fields in `ctx`.
+    fn limited(
+        &self,
+        config: &Config,
+        policy: &Arc<Policy>,
+        b: Binding,
+        ctx: &mut RequestCtx<'_>,
+    ) -> Response<Body> {
+        let limits = Limits::new(config.headers, policy, b);
+        let resp = ProxyError::Limited {
+            retry_after: ratelimit_headers::retry_after(&b),
+            violated: limits.as_ref().and_then(Limits::violated),
+        }
+        .response();
+        ctx.limits = limits;
+        resp
+    }
+
+    /// The settle phase: gives back or charges what the answer says, now,
+    /// or when its body ends (a `meter` in the trailers or the body's bytes,
+    /// and `concurrency` slots, which the body holds).
+    async fn settle(
+        &self,
+        ticket: Ticket,
+        outcome: &mut Result<Response<Body>, ProxyError>,
+    ) {
+        let (status, upstream_failed) = match &*outcome {
+            Ok(resp) => (resp.status(), false),
+            Err(e) => (e.status(), e.is_upstream_failure()),
+        };
+        let policy = ticket.policy().clone();
+        let free = upstream_failed || policy.refund.contains(&status);
+        let label = crate::metrics::PolicyLabel {
+            policy: policy.name.to_string(),
+        };
+        let counters = || metering::MeterCounters {
+            units: self.metrics.metered_units.get_or_create(&label).clone(),
+            errors: self.metrics.meter_errors.get_or_create(&label).clone(),
+        };
+        let meter = policy.meter.as_ref();
+        // The meter's value in the answer's head, for a header meter.
+        let head = match (meter, &*outcome) {
+            (Some(Meter::Header(name)), Ok(resp)) if !free => {
+                Some(answer_field(resp, name).and_then(metering::parse_units))
+            }
+            _ => None,
+        };
+        let at_end =
+            ticket.holds_slots() || matches!(meter, Some(Meter::Trailer(_) | Meter::BodyBytes));
+        if let (false, Ok(resp)) = (free, &mut *outcome)
+            && at_end
+            && let Either::Left(body) = resp.body_mut()
+        {
+            let counters = meter.map(|_| counters());
+            let settler = self.limiter.settler();
+            body.settle_at_end(metering::Metering::new(
+                settler, ticket, status, meter, head, counters,
+            ));
+            return;
+        }
+        // Settled now: the answer's own bodies are whole.
+        let metered = match (meter, &*outcome) {
+            _ if free => None,
+            (Some(Meter::BodyBytes), Ok(resp)) => hyper::body::Body::size_hint(resp.body()).exact(),
+            (Some(Meter::Header(_)), _) => head.flatten(),
+            _ => None,
+        };
+        if metered.is_none() && matches!(meter, Some(Meter::Header(_))) && !free {
+            counters().errors.inc();
+        }
+        match self
+            .limiter
+            .settle(ticket, status, upstream_failed, metered)
+            .await
+        {
+            Ok(settled) if settled.refunded => {
+                self.metrics.refunds.get_or_create(&label).inc();
+            }
+            Ok(settled) => {
+                if meter.is_some() {
+                    counters().units.inc_by(settled.charged);
+                }
+            }
+            Err(e) => {
+                self.metrics.store_errors.inc();
+                log_store_error(&e);
+            }
+        }
     }
 
     async fn forward(
@@ -866,6 +986,39 @@ async fn upload<F: Future + Unpin>(
                 check.as_mut().reset(tokio::time::Instant::now() + (timeout - stalled));
             }
         }
+    }
+}
+
+/// A request held by a `gcra` limit's `delay`, counted in
+/// `server.max_delayed` while it waits.
+struct Held<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Held<'a> {
+    /// A place among the `max` held requests, if one is free.
+    fn take(count: &'a std::sync::atomic::AtomicUsize, max: usize) -> Option<Held<'a>> {
+        use std::sync::atomic::Ordering;
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| Held(count))
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// A field of an upstream's answer, from its map or, when sluice's own
+/// client read it, its fields.
+fn answer_field<'a>(resp: &'a Response<Body>, name: &header::HeaderName) -> Option<&'a [u8]> {
+    if let Some(v) = resp.headers().get(name) {
+        return Some(v.as_bytes());
+    }
+    match resp.body() {
+        Either::Left(body) => body.field(name),
+        Either::Right(_) => None,
     }
 }
 

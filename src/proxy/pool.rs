@@ -393,6 +393,8 @@ pub struct PooledBody(Box<Held>);
 struct Held {
     read: Read,
     slot: Option<Slot>,
+    /// The request's settlement, when it waits for the body's end.
+    meter: Option<Box<super::metering::Metering>>,
 }
 
 type Back<C> = (C, Arc<Pools>, Origin);
@@ -444,11 +446,30 @@ impl PooledBody {
         }
         let fields = self.take_fields();
         let slot = self.0.slot.take();
+        // Metered here, where the client takes the body, not where it is
+        // read ahead.
+        let meter = self.0.meter.take();
         let pumped = crate::stall::Pumped::new(self, bytes, send_timeout, || {});
         PooledBody(Box::new(Held {
             read: Read::Ahead { pumped, fields },
             slot,
+            meter,
         }))
+    }
+
+    /// Field `name` of the answer, when the own client read its head
+    /// (hyper's answers keep theirs in the map).
+    pub fn field(&self, name: &http::HeaderName) -> Option<&[u8]> {
+        let fields = match &self.0.read {
+            Read::Own { reader, .. } => reader.fields()?,
+            Read::Ahead { fields, .. } => fields.as_deref()?,
+            Read::Hyper { .. } => return None,
+        };
+        let name = name.as_str().as_bytes();
+        fields
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v)
     }
 
     /// Keeps the client's slot until the body is done with.
@@ -456,11 +477,17 @@ impl PooledBody {
         self.0.slot = Some(slot);
     }
 
+    /// Settles the request when the body has been sent, or dropped.
+    pub fn settle_at_end(&mut self, meter: super::metering::Metering) {
+        self.0.meter = Some(Box::new(meter));
+    }
+
     fn hyper(inner: Incoming, back: Option<Back<SendRequest<RequestBody>>>) -> PooledBody {
         let end = inner.is_end_stream();
         let mut body = PooledBody(Box::new(Held {
             read: Read::Hyper { inner, back },
             slot: None,
+            meter: None,
         }));
         // An empty body (a 204, a HEAD) may never be polled.
         if end {
@@ -481,6 +508,7 @@ impl PooledBody {
                 back: Some((conn, pools, origin)),
             },
             slot: None,
+            meter: None,
         }));
         if end {
             body.give_back();
@@ -531,8 +559,28 @@ impl Body for PooledBody {
                 let end = ends(&frame, reader.is_end(), back);
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
-            Read::Ahead { pumped, .. } => return Pin::new(pumped).poll_frame(cx),
+            Read::Ahead { pumped, .. } => {
+                let frame = ready!(Pin::new(&mut *pumped).poll_frame(cx));
+                let end = frame.is_none() || pumped.is_end_stream();
+                (frame, end)
+            }
         };
+        if let Some(meter) = &mut this.0.meter {
+            match &frame {
+                Some(Ok(f)) => {
+                    if let Some(data) = f.data_ref() {
+                        meter.data(data.len());
+                    } else if let Some(trailers) = f.trailers_ref() {
+                        meter.trailers(trailers);
+                    }
+                }
+                Some(Err(_)) => {}
+                None => meter.ended(),
+            }
+            if end && !matches!(frame, Some(Err(_))) {
+                meter.ended();
+            }
+        }
         if end {
             this.give_back();
         }

@@ -6,6 +6,9 @@
 //!   (see `config::IetfTexts`), and `RateLimit` gives the binding one as
 //!   `"name";r=AVAILABLE;t=EFFECTIVE_WINDOW_SECONDS`.
 //!
+//! - `X-RateLimit-Delay-Ms`, in every style, on a request a `gcra` limit's
+//!   `delay` held: how long, in milliseconds.
+//!
 //! Resets are rounded up to whole seconds: a fixed window of a second or more
 //! ends on a whole second, so every response of one window shows the same value.
 //! `t` is -11's effective window (section 4.1.2), the time in which the client
@@ -38,12 +41,15 @@ const REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 const POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const DELAY: HeaderName = HeaderName::from_static("x-ratelimit-delay-ms");
 
 /// The rate-limit fields of one answer, not yet written.
 pub struct Limits {
     style: HeaderStyle,
     policy: Arc<Policy>,
     binding: Binding,
+    /// Ms a `delay` held the request; 0 when it was not held.
+    delayed_ms: u64,
 }
 
 impl Limits {
@@ -53,7 +59,14 @@ impl Limits {
             style,
             policy: policy.clone(),
             binding,
+            delayed_ms: 0,
         })
+    }
+
+    /// The request was held `ms` by a `gcra` limit's `delay`: said in
+    /// `X-RateLimit-Delay-Ms`.
+    pub fn delayed(&mut self, ms: u64) {
+        self.delayed_ms = ms;
     }
 
     fn x_ratelimit(&self) -> bool {
@@ -70,6 +83,7 @@ impl Limits {
         let is = |ours: &HeaderName| eq_lower(name, ours.as_str().as_bytes());
         (self.x_ratelimit() && (is(&LIMIT) || is(&REMAINING) || is(&RESET)))
             || (self.ietf() && (is(&POLICY) || is(&RATELIMIT)))
+            || (self.delayed_ms > 0 && is(&DELAY))
     }
 
     /// Each field, in order, as its name and its value.
@@ -81,7 +95,16 @@ impl Limits {
             field(&REMAINING, digits.format(b.remaining).as_bytes());
             field(&RESET, digits.format(b.reset_ms.div_ceil(1000)).as_bytes());
         }
-        self.each_ietf(field);
+        self.each_ietf(&mut field);
+        self.each_delay(field);
+    }
+
+    /// `X-RateLimit-Delay-Ms`, if the request was held.
+    fn each_delay(&self, mut field: impl FnMut(&HeaderName, &[u8])) {
+        if self.delayed_ms > 0 {
+            let mut digits = itoa::Buffer::new();
+            field(&DELAY, digits.format(self.delayed_ms).as_bytes());
+        }
     }
 
     /// The IETF fields, if the style has them.
@@ -134,6 +157,7 @@ impl Limits {
                 out.extend_from_slice(digits.format(reset).as_bytes());
                 out.extend_from_slice(b"\r\n");
                 self.each_ietf(|name, value| line(out, name.as_str().as_bytes(), value));
+                self.each_delay(|name, value| line(out, name.as_str().as_bytes(), value));
             }
             _ => self.each(|name, value| line(out, name.as_str().as_bytes(), value)),
         }

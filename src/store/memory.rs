@@ -12,6 +12,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
+use std::time::Duration;
 
 // foldhash, seeded per process: the seed, unknown to clients, keeps them from
 // aiming keys at one bucket (the SHA-256-derived tags are unkeyed, so a client
@@ -81,6 +82,8 @@ enum State {
     Log { entries: VecDeque<(u64, u64, u64)> },
     /// Theoretical arrival time, unix µs.
     Gcra { tat_us: u64 },
+    /// Slots held: (mark, unix ms the lease ends).
+    Leases { held: Vec<(u64, u64)> },
 }
 
 /// A counter's key as (its group, its name in the group).
@@ -182,6 +185,43 @@ impl MemoryStore {
         for c in counters {
             self.add(&mut inner, c, counters, cost, now);
         }
+    }
+
+    /// Charges `extra` more units to the request whose marks are `marks`
+    /// (without checking: the count may pass the limit), and frees its
+    /// `concurrency` slots.
+    pub fn charge_more(&self, counters: &[Counter], marks: &[u64], extra: u64, now: u64) {
+        let mut inner = self.lock();
+        for (c, &mark) in counters.iter().zip(marks) {
+            if let Algorithm::Concurrency { .. } = c.algorithm {
+                if let Some(e) = entry(&mut inner.map, c) {
+                    give_back(&mut e.state, c, mark, 0, now);
+                }
+            } else {
+                self.add(&mut inner, c, counters, extra, now);
+            }
+        }
+    }
+
+    /// Renews the `concurrency` slots `marks` took, for their lease from
+    /// `now`; returns how many were still held.
+    pub fn renew(&self, counters: &[Counter], marks: &[u64], now: u64) -> usize {
+        let mut inner = self.lock();
+        let mut renewed = 0;
+        for (c, &mark) in counters.iter().zip(marks) {
+            let Algorithm::Concurrency { lease } = c.algorithm else {
+                continue;
+            };
+            if let Some(e) = entry(&mut inner.map, c)
+                && let State::Leases { held } = &mut e.state
+                && let Some(slot) = held.iter_mut().find(|l| l.0 == mark && l.1 > now)
+            {
+                slot.1 = now + lease.as_millis() as u64;
+                e.expires_ms = e.expires_ms.max(slot.1);
+                renewed += 1;
+            }
+        }
+        renewed
     }
 
     pub fn refund(&self, counters: &[Counter], marks: &[u64], cost: u64, now: u64) {
@@ -310,6 +350,7 @@ fn empty(algorithm: Algorithm) -> State {
             entries: VecDeque::new(),
         },
         Algorithm::Gcra { .. } => State::Gcra { tat_us: 0 },
+        Algorithm::Concurrency { .. } => State::Leases { held: Vec::new() },
     }
 }
 
@@ -328,10 +369,11 @@ fn buckets(
     (precision_ms, c.window_ms / precision_ms, b)
 }
 
-/// GCRA geometry in µs: (emission interval, burst capacity).
-fn gcra(c: &Counter, burst: u64) -> (u64, u64) {
+/// GCRA geometry in µs: (emission interval, capacity: the burst, and the
+/// `delay` a request may be held).
+fn gcra(c: &Counter, burst: u64, delay: Duration) -> (u64, u64) {
     let t = (c.window_ms * 1000 / c.limit).max(1);
-    (t, t.saturating_mul(burst))
+    (t, t.saturating_mul(burst) + delay.as_micros() as u64)
 }
 
 /// The usual decision in one pass: a live `fixed` or `sliding` counter is
@@ -483,8 +525,15 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
                 .map_or(c.window_ms, |t| t - now)
             })
         }
-        (Algorithm::Gcra { burst }, state) => {
-            let (t, cap) = gcra(c, burst);
+        (Algorithm::Concurrency { .. }, state) => {
+            let used = match state {
+                Some(State::Leases { held }) => held.iter().filter(|l| l.1 > now).count() as u64,
+                _ => 0,
+            };
+            concurrency_verdict(c.limit, used, cost, now)
+        }
+        (Algorithm::Gcra { burst, delay }, state) => {
+            let (t, cap) = gcra(c, burst, delay);
             let now_us = now * 1000;
             let tat = match state {
                 Some(State::Gcra { tat_us }) => (*tat_us).max(now_us),
@@ -512,6 +561,30 @@ fn check(state: Option<&State>, c: &Counter, cost: u64, now: u64) -> CounterStat
         }
     }
 }
+
+/// A `concurrency` counter's verdict: `used` slots held of `limit`. A
+/// request takes one slot whatever its cost (a check with cost 0, none).
+/// The reset is now (a slot comes back when its request ends); a denial
+/// says to retry in a second, as no one knows when a request ends.
+pub(super) fn concurrency_verdict(limit: u64, used: u64, cost: u64, now: u64) -> CounterState {
+    let unit = cost.min(1);
+    if used + unit <= limit {
+        CounterState {
+            remaining: limit - used - unit,
+            reset_ms: now,
+            retry_ms: 0,
+        }
+    } else {
+        CounterState {
+            remaining: 0,
+            reset_ms: now + CONCURRENCY_RETRY_MS,
+            retry_ms: CONCURRENCY_RETRY_MS,
+        }
+    }
+}
+
+/// How long a request refused by a `concurrency` limit is told to wait.
+pub const CONCURRENCY_RETRY_MS: u64 = 1000;
 
 /// A counting algorithm's verdict: `used` units already taken of `limit`.
 fn verdict(
@@ -582,8 +655,13 @@ fn charge(state: &mut State, c: &Counter, cost: u64, now: u64, id: u64) -> u64 {
             entries.push_back((now, cost, id));
             id
         }
-        (State::Gcra { tat_us }, Algorithm::Gcra { burst }) => {
-            let (t, _) = gcra(c, burst);
+        (State::Leases { held }, Algorithm::Concurrency { lease }) => {
+            held.retain(|l| l.1 > now);
+            held.push((id, now + lease.as_millis() as u64));
+            id
+        }
+        (State::Gcra { tat_us }, Algorithm::Gcra { burst, delay }) => {
+            let (t, _) = gcra(c, burst, delay);
             *tat_us = (*tat_us)
                 .max(now * 1000)
                 .saturating_add(cost.saturating_mul(t));
@@ -633,8 +711,11 @@ fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
                 entries.remove(pos);
             }
         }
-        (State::Gcra { tat_us }, Algorithm::Gcra { burst }) => {
-            let (t, _) = gcra(c, burst);
+        (State::Leases { held }, Algorithm::Concurrency { .. }) => {
+            held.retain(|l| l.0 != mark);
+        }
+        (State::Gcra { tat_us }, Algorithm::Gcra { burst, delay }) => {
+            let (t, _) = gcra(c, burst, delay);
             *tat_us = tat_us
                 .saturating_sub(cost.saturating_mul(t))
                 .max(now * 1000);
@@ -655,6 +736,7 @@ fn expiry(state: &State, c: &Counter) -> u64 {
         }
         (State::Log { entries }, _) => entries.back().map_or(0, |(t, _, _)| t + c.window_ms),
         (State::Gcra { tat_us }, _) => tat_us.div_ceil(1000),
+        (State::Leases { held }, _) => held.iter().map(|l| l.1).max().unwrap_or(0),
         _ => 0,
     }
 }

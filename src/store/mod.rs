@@ -16,7 +16,10 @@
 //! - `log`: every charged unit is remembered with its time; units younger than
 //!   `window` are counted.
 //! - `gcra`: a theoretical arrival time (TAT) that moves `window / limit` per unit;
-//!   a request passes if the TAT stays within `burst` units of now.
+//!   a request passes if the TAT stays within `burst` units (and `delay`) of now.
+//! - `concurrency`: slots held by requests in flight, each a lease that ends
+//!   unless renewed; a request takes one slot whatever its cost, and its
+//!   settlement frees it.
 
 pub mod memory;
 mod pipe;
@@ -176,8 +179,9 @@ impl Store {
         }
     }
 
-    /// Gives back what [`Store::acquire`] charged, bucket by bucket; units whose
-    /// bucket has left the window are not given back.
+    /// Gives back `cost` units of what [`Store::acquire`] charged, bucket by
+    /// bucket, and frees its `concurrency` slots; units whose bucket has left
+    /// the window are not given back.
     pub async fn refund(
         &self,
         counters: &[Counter],
@@ -191,6 +195,39 @@ impl Store {
                 Ok(())
             }
             Store::Redis(r) => Box::pin(r.refund(counters, marks, cost, now_ms)).await,
+        }
+    }
+
+    /// Settles a request that cost more than it reserved: charges `extra`
+    /// units more without checking (the count may pass the limit), and
+    /// frees its `concurrency` slots (`marks`), in one call.
+    pub async fn charge_more(
+        &self,
+        counters: &[Counter],
+        marks: &[u64],
+        extra: u64,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.charge_more(counters, marks, extra, now_ms);
+                Ok(())
+            }
+            Store::Redis(r) => Box::pin(r.charge_more(counters, marks, extra, now_ms)).await,
+        }
+    }
+
+    /// Renews the `concurrency` slots a running request holds (`marks`),
+    /// each for its lease from now; returns how many were still held.
+    pub async fn renew(
+        &self,
+        counters: &[Counter],
+        marks: &[u64],
+        now_ms: u64,
+    ) -> Result<usize, StoreError> {
+        match self {
+            Store::Memory(m) => Ok(m.renew(counters, marks, now_ms)),
+            Store::Redis(r) => Box::pin(r.renew(counters, marks, now_ms)).await,
         }
     }
 

@@ -43,6 +43,7 @@ use crate::config::{Algorithm, ClockSource, StoreConfig};
 static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
 static REFUND: &str = include_str!("../../lua/refund.lua");
 static PLAN: &str = include_str!("../../lua/plan.lua");
+static LEASE: &str = include_str!("../../lua/lease.lua");
 
 // One per process: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
@@ -164,6 +165,7 @@ pub struct Inner {
     acquire: Script,
     refund: Script,
     plan: Script,
+    lease: Script,
     prefix: String,
     timeout: Duration,
     clock: ClockSource,
@@ -213,6 +215,7 @@ impl RedisStore {
             acquire: Script::new(ACQUIRE),
             refund: Script::new(REFUND),
             plan: Script::new(PLAN),
+            lease: Script::new(LEASE),
             prefix: config.prefix.clone(),
             timeout: config.timeout,
             clock: config.clock,
@@ -635,7 +638,7 @@ impl RedisStore {
         head: &[u8; HEAD],
     ) -> Result<(Vec<Vec<u8>>, Vec<u8>), StoreError> {
         let (keys, index) = self.keys(counters)?;
-        Ok((keys, spec(head, counters, &index)))
+        Ok((keys, spec(head, counters, &index, None)))
     }
 
     /// acquire.lua's `EVALSHA` as `memo` keeps it for `counters` (made now if
@@ -694,6 +697,83 @@ impl RedisStore {
         result
     }
 
+    /// Charges `extra` more units without checking (mode 2) and frees the
+    /// request's concurrency slots (`marks`), slot group by slot group.
+    pub async fn charge_more(
+        &self,
+        counters: &[Counter],
+        marks: &[u64],
+        extra: u64,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut result = Ok(());
+        for (part, part_marks) in self.by_slot(counters, marks) {
+            let head = self.head(2, now_ms, extra);
+            let (keys, index) = self.keys(&part)?;
+            let arg = spec(&head, &part, &index, Some(&part_marks));
+            let done = self
+                .eval(&self.acquire, ACQUIRE, &keys, &[&arg], deadline)
+                .await
+                .map(|_| ());
+            if result.is_ok() {
+                result = done;
+            }
+        }
+        result
+    }
+
+    /// Renews the concurrency slots `marks` took, each for its lease from
+    /// now (lua/lease.lua); returns how many were still held.
+    pub async fn renew(
+        &self,
+        counters: &[Counter],
+        marks: &[u64],
+        now_ms: u64,
+    ) -> Result<usize, StoreError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut renewed = 0;
+        for (part, part_marks) in self.by_slot(counters, marks) {
+            let mut keys = Vec::new();
+            let mut slots: Vec<[u8; 16]> = Vec::new();
+            for (c, &mark) in part.iter().zip(&part_marks) {
+                if let Algorithm::Concurrency { lease } = c.algorithm {
+                    keys.push(self.redis_key(c));
+                    let mut slot = [0u8; 16];
+                    slot[..8].copy_from_slice(&(mark as f64).to_be_bytes());
+                    slot[8..].copy_from_slice(&(lease.as_millis() as f64).to_be_bytes());
+                    slots.push(slot);
+                }
+            }
+            if keys.is_empty() {
+                continue;
+            }
+            let now = self.now_arg(now_ms).to_be_bytes();
+            let mut args: Vec<&[u8]> = vec![&now];
+            args.extend(slots.iter().map(|m| &m[..]));
+            if let Reply::Int(n) = self.eval(&self.lease, LEASE, &keys, &args, deadline).await? {
+                renewed += usize::try_from(n).unwrap_or(0);
+            }
+        }
+        Ok(renewed)
+    }
+
+    /// `counters` and their `marks` by cluster slot (one group off a cluster).
+    fn by_slot(&self, counters: &[Counter], marks: &[u64]) -> Vec<(Vec<Counter>, Vec<u64>)> {
+        let groups = self.slot_groups(counters);
+        if groups.len() <= 1 {
+            return vec![(counters.to_vec(), marks.to_vec())];
+        }
+        groups
+            .into_iter()
+            .map(|g| {
+                let part = g.iter().map(|&i| counters[i].clone()).collect();
+                let part_marks = g.iter().map(|&i| marks.get(i).copied().unwrap_or(0)).collect();
+                (part, part_marks)
+            })
+            .collect()
+    }
+
     async fn refund_one(
         &self,
         counters: &[Counter],
@@ -710,7 +790,7 @@ impl RedisStore {
             .iter()
             .flat_map(|&m| (m as f64).to_be_bytes())
             .collect();
-        let spec = spec(&[], counters, &index);
+        let spec = spec(&[], counters, &index, None);
         self.eval(
             &self.refund,
             REFUND,
@@ -790,11 +870,17 @@ const HEAD: usize = 25;
 /// tag; a calendar window's two ends in place of window and parameter);
 /// see `lua/acquire.lua`. Binary, because parsing decimals in Lua was a
 /// third of the script's cost.
-fn spec(head: &[u8], counters: &[Counter], index: &[u8]) -> Vec<u8> {
+///
+/// `marks`, for a settlement: each counter's mark from its acquire; a
+/// concurrency counter carries it as its parameter (the slot to free).
+fn spec(head: &[u8], counters: &[Counter], index: &[u8], marks: Option<&[u64]>) -> Vec<u8> {
     let mut out = Vec::with_capacity(head.len() + 34 * counters.len());
     out.extend_from_slice(head);
-    for (c, &ki) in counters.iter().zip(index) {
-        let (alg, window, param) = script_params(c);
+    for (i, (c, &ki)) in counters.iter().zip(index).enumerate() {
+        let (alg, window, mut param) = script_params(c);
+        if let (5, Some(marks)) = (alg, marks) {
+            param = marks.get(i).copied().unwrap_or(0);
+        }
         out.push(ki);
         out.push(alg);
         out.extend_from_slice(&(c.limit as f64).to_be_bytes());
@@ -885,7 +971,12 @@ fn script_params(c: &Counter) -> (u8, u64, u64) {
         (Algorithm::Fixed, None) => (1, c.window_ms, c.window_ms),
         (Algorithm::Sliding { precision }, _) => (1, c.window_ms, precision.as_millis() as u64),
         (Algorithm::Log, _) => (2, c.window_ms, 0),
-        (Algorithm::Gcra { burst }, _) => (3, c.window_ms, burst),
+        (Algorithm::Gcra { burst, delay }, _) => {
+            // The capacity in µs, as the memory store works it out.
+            let t = (c.window_ms * 1000 / c.limit.max(1)).max(1);
+            (3, c.window_ms, t.saturating_mul(burst) + delay.as_micros() as u64)
+        }
+        (Algorithm::Concurrency { lease }, _) => (5, lease.as_millis() as u64, 0),
     }
 }
 
@@ -902,10 +993,11 @@ fn random_seed() -> u64 {
 }
 
 /// The part of a counter's key that names its Redis key (before the prefix):
-/// the identity's and policy's packed string, or for a log its own sorted set.
+/// the identity's and policy's packed string, or for a log or concurrency
+/// counter its own sorted set.
 fn key_part(c: &Counter) -> &[u8] {
     match c.algorithm {
-        Algorithm::Log => &c.key[..],
+        Algorithm::Log | Algorithm::Concurrency { .. } => &c.key[..],
         _ => &c.key[..c.group_len],
     }
 }
