@@ -88,8 +88,37 @@ fn algorithms() -> Vec<(u64, u64, Algorithm)> {
             },
         ),
         (7, 3_000, Algorithm::Log),
-        (4, 1_000, Algorithm::Gcra { burst: 3 }),
+        (
+            4,
+            1_000,
+            Algorithm::Gcra {
+                burst: 3,
+                delay: Duration::ZERO,
+            },
+        ),
     ]
+}
+
+/// The algorithms the differential test drives: the four, a `gcra` with a
+/// `delay`, and `concurrency` slots.
+fn differential_algorithms() -> Vec<(u64, u64, Algorithm)> {
+    let mut all = algorithms();
+    all.push((
+        6,
+        2_000,
+        Algorithm::Gcra {
+            burst: 2,
+            delay: Duration::from_millis(700),
+        },
+    ));
+    all.push((
+        3,
+        2_000,
+        Algorithm::Concurrency {
+            lease: Duration::from_secs(2),
+        },
+    ));
+    all
 }
 
 /// A charged request that may be refunded: counters, memory marks, redis marks, cost.
@@ -131,7 +160,7 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
         let per_identity: Vec<Vec<Counter>> = ["a", "b", "c"]
             .iter()
             .map(|id| {
-                algorithms()
+                differential_algorithms()
                     .into_iter()
                     .map(|(l, w, a)| counter(id, l, w, a))
                     .collect()
@@ -139,18 +168,44 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
             .collect();
         let memos: [Memo; 3] = Default::default();
         let mut now = T0;
-        let (mut allowed, mut denied, mut refunds) = (0, 0, 0);
+        let (mut allowed, mut denied, mut refunds, mut extras) = (0, 0, 0, 0);
         let mut tickets: Vec<Ticket> = Vec::new();
         for step in 0..400 {
             match rng.below(10) {
                 0..=1 => now += rng.below(1_500),
                 2 => {
+                    // A settlement, as the limiter makes them: all given
+                    // back, part given back (a meter said less), more
+                    // charged (a meter said more, past the limit maybe),
+                    // or nothing but the slots freed; or a renewal.
                     if let Some((counters, m, r, cost)) = (!tickets.is_empty())
                         .then(|| tickets.swap_remove(rng.below(tickets.len() as u64) as usize))
                     {
-                        refunds += 1;
-                        memory.refund(&counters, &m, cost, now);
-                        store.refund(&counters, &r, cost, now).await.unwrap();
+                        match rng.below(4) {
+                            0 => {
+                                let back = rng.below(cost + 1);
+                                refunds += 1;
+                                memory.refund(&counters, &m, back, now);
+                                store.refund(&counters, &r, back, now).await.unwrap();
+                            }
+                            1 => {
+                                let extra = 1 + rng.below(12);
+                                extras += 1;
+                                memory.charge_more(&counters, &m, extra, now);
+                                store.charge_more(&counters, &r, extra, now).await.unwrap();
+                            }
+                            2 => {
+                                let a = memory.renew(&counters, &m, now);
+                                let b = store.renew(&counters, &r, now).await.unwrap();
+                                assert_eq!(a, b, "seed {seed} step {step}: renewals differ");
+                                tickets.push((counters, m, r, cost));
+                            }
+                            _ => {
+                                refunds += 1;
+                                memory.refund(&counters, &m, cost, now);
+                                store.refund(&counters, &r, cost, now).await.unwrap();
+                            }
+                        }
                     }
                 }
                 _ => {
@@ -205,8 +260,8 @@ async fn differential(make: impl Fn(u64) -> RedisStore, exact_denials: bool) {
         }
         // The sequence must have exercised both answers and refunds.
         assert!(
-            allowed > 50 && denied > 50 && refunds > 10,
-            "{allowed} {denied} {refunds}"
+            allowed > 50 && denied > 50 && refunds > 10 && extras > 5,
+            "{allowed} {denied} {refunds} {extras}"
         );
     }
 }
@@ -320,7 +375,7 @@ fn reference_model_sliding_never_more_than_limit_in_its_buckets() {
 #[test]
 fn reference_model_gcra_paces_to_the_rate_with_burst() {
     let (limit, window, burst) = (10, 1_000, 4);
-    let log = drive(Algorithm::Gcra { burst }, limit, window, 17, true);
+    let log = drive(Algorithm::Gcra { burst, delay: Duration::ZERO }, limit, window, 17, true);
     let admitted: Vec<u64> = log.iter().filter(|e| e.2).map(|e| e.0).collect();
     let t = window / limit;
     // In any span [a, b]: at most burst + (b - a) / T requests.
@@ -796,7 +851,7 @@ async fn a_late_charge_counts_in_the_window_it_is_made_in() {
         // The response ends two days (and one daylight-saving change) later.
         move_to("2026-03-30T12:00:00+02:00");
         limiter
-            .settle(ticket, http::StatusCode::OK, false)
+            .settle(ticket, http::StatusCode::OK, false, None)
             .await
             .unwrap();
         let usage = limiter.usage(&policy, &spec, b"late").await.unwrap();

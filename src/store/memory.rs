@@ -198,7 +198,13 @@ impl MemoryStore {
                     give_back(&mut e.state, c, mark, 0, now);
                 }
             } else {
-                self.add(&mut inner, c, counters, extra, now);
+                // As acquire.lua does: a log keeps one entry per unit, and
+                // past its limit more units of one instant change nothing.
+                let units = match c.algorithm {
+                    Algorithm::Log => extra.min(c.limit + 1),
+                    _ => extra,
+                };
+                self.add(&mut inner, c, counters, units, now);
             }
         }
     }
@@ -708,7 +714,11 @@ fn give_back(state: &mut State, c: &Counter, mark: u64, cost: u64, now: u64) {
                 .iter()
                 .position(|&(t, _, id)| id == mark && t + c.window_ms > now)
             {
-                entries.remove(pos);
+                let units = &mut entries[pos].1;
+                *units -= cost.min(*units);
+                if *units == 0 {
+                    entries.remove(pos);
+                }
             }
         }
         (State::Leases { held }, Algorithm::Concurrency { .. }) => {
