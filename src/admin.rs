@@ -18,7 +18,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
-use crate::config::KeySpec;
+use crate::config::{Algorithm, KeySpec};
 use crate::limiter::Assigned;
 use crate::proxy::Proxy;
 
@@ -337,15 +337,32 @@ async fn usage(proxy: &Proxy, req: &Request<Incoming>) -> (StatusCode, serde_jso
     }
     let limits: Vec<serde_json::Value> = usage
         .iter()
-        .map(|u| {
-            serde_json::json!({
+        .map(|u| match u.limit.algorithm {
+            // Requests in flight now, across every instance sharing the store.
+            Algorithm::Concurrency { lease } => serde_json::json!({
                 "limit": u.limit.limit,
-                "window": u.limit.window_text(),
-                "algorithm": u.limit.algorithm.name(),
+                "algorithm": "concurrency",
+                "lease": crate::config::duration::format(lease),
+                "in_flight": u.used,
                 "used": u.used,
                 "remaining": u.remaining,
-                "reset": u.reset_ms.div_ceil(1000),
-            })
+            }),
+            _ => {
+                let mut limit = serde_json::json!({
+                    "limit": u.limit.limit,
+                    "window": u.limit.window_text(),
+                    "algorithm": u.limit.algorithm.name(),
+                    "used": u.used,
+                    "remaining": u.remaining,
+                    "reset": u.reset_ms.div_ceil(1000),
+                });
+                if let Algorithm::Gcra { delay, .. } = u.limit.algorithm
+                    && !delay.is_zero()
+                {
+                    limit["delay"] = crate::config::duration::format(delay).into();
+                }
+                limit
+            }
         })
         .collect();
     (

@@ -123,7 +123,8 @@ pub async fn serve(
                 Parsed::Malformed(why) => {
                     let mut resp = ProxyError::BadRequest(why).response();
                     let mut sending = SendTimeout::new(&mut stream, client.send_timeout);
-                    write_response(&mut sending, &mut out, &mut resp, None, false, false).await?;
+                    write_response(&mut sending, &mut out, &mut resp, None, false, false, None)
+                        .await?;
                     return Ok(Served::Closed);
                 }
             }
@@ -183,8 +184,12 @@ pub async fn serve(
         };
         let keep = !close && !signal.has_changed().unwrap_or(true);
         // A client that takes no bytes for the timeout fails the write: the
-        // connection ends, and the answer's upstream exchange with it.
-        let mut sending = SendTimeout::new(&mut stream, client.send_timeout);
+        // connection ends, and the answer's upstream exchange with it. One
+        // that closes while the body waits for the upstream ends it too:
+        // the body (and what it holds: a concurrency slot, a metered
+        // charge) is not kept for a client that is gone.
+        let (mut reading, writing) = stream.split();
+        let mut sending = SendTimeout::new(writing, client.send_timeout);
         let again = write_response(
             &mut sending,
             &mut out,
@@ -192,6 +197,7 @@ pub async fn serve(
             limits.as_ref(),
             head_only,
             keep,
+            Some((&mut reading, &mut buf)),
         )
         .await?;
         // Dropped where they are (`drop` would copy them first), not kept
@@ -408,7 +414,7 @@ fn build(
 /// Resolves when the client closes its side (or its connection fails) while
 /// a request is in flight. Bytes it sends meanwhile (the next request,
 /// pipelined) are kept in `buf`, up to [`MAX_HEAD`].
-async fn client_gone(stream: &mut TcpStream, buf: &mut BytesMut) {
+async fn client_gone<R: AsyncRead + Unpin>(stream: &mut R, buf: &mut BytesMut) {
     loop {
         if buf.len() >= MAX_HEAD {
             return std::future::pending().await;
@@ -435,6 +441,8 @@ enum Framing {
 /// Writes `resp` (lent: moved, it was copied twice); `Ok(true)` when it
 /// went out whole and framed and neither side asked to close (`keep` false:
 /// the client did, or shutdown), so the connection can take another request.
+/// `client`: the connection's read side and buffer, watched while the body
+/// waits for more (see [`client_gone`]): a client that closes ends it.
 async fn write_response<W: AsyncWrite + Unpin>(
     stream: &mut W,
     out: &mut Vec<u8>,
@@ -442,6 +450,7 @@ async fn write_response<W: AsyncWrite + Unpin>(
     limits: Option<&Limits>,
     head_only: bool,
     keep: bool,
+    mut client: Option<(&mut tokio::net::tcp::ReadHalf<'_>, &mut BytesMut)>,
 ) -> io::Result<bool> {
     let fields = match resp.body_mut() {
         Either::Left(body) => body.take_fields(),
@@ -544,7 +553,23 @@ async fn write_response<W: AsyncWrite + Unpin>(
             Poll::Ready(frame) => frame,
             Poll::Pending => {
                 flush(stream, out).await?;
-                poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
+                let next = poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx));
+                match &mut client {
+                    Some((reading, buf)) => {
+                        let mut gone = pin!(client_gone(&mut **reading, buf));
+                        let mut next = pin!(next);
+                        let frame = poll_fn(|cx| match next.as_mut().poll(cx) {
+                            Poll::Ready(frame) => Poll::Ready(Some(frame)),
+                            Poll::Pending => gone.as_mut().poll(cx).map(|()| None),
+                        })
+                        .await;
+                        match frame {
+                            Some(frame) => frame,
+                            None => return Ok(false),
+                        }
+                    }
+                    None => next.await,
+                }
             }
         };
         let mut data = match frame {

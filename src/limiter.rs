@@ -153,7 +153,11 @@ impl Ticket {
             }
             None => {}
         }
-        if self.undo.as_ref().is_some_and(|u| u.lease.is_none() && u.units == 0) {
+        if self
+            .undo
+            .as_ref()
+            .is_some_and(|u| u.lease.is_none() && u.units == 0)
+        {
             self.undo = None;
         }
     }
@@ -175,7 +179,11 @@ impl Drop for Ticket {
         let settler = undo.settler;
         runtime.spawn(async move {
             let now = settler.clock.now_ms();
-            if let Err(e) = settler.store.refund(&counters.list, &marks, units, now).await {
+            if let Err(e) = settler
+                .store
+                .refund(&counters.list, &marks, units, now)
+                .await
+            {
                 crate::store::log_error(&e, "could not give back a request that went away");
             }
         });
@@ -293,7 +301,9 @@ impl Settler {
         let policy = &ticket.counters.policy;
         let free = proxy_error || policy.refund.contains(&status);
         let slots = match ticket.undo.take() {
-            Some(Undo { lease: Some(id), .. }) => self.leases.remove(id),
+            Some(Undo {
+                lease: Some(id), ..
+            }) => self.leases.remove(id),
             _ => false,
         };
         let cost = ticket.cost;

@@ -375,7 +375,16 @@ fn reference_model_sliding_never_more_than_limit_in_its_buckets() {
 #[test]
 fn reference_model_gcra_paces_to_the_rate_with_burst() {
     let (limit, window, burst) = (10, 1_000, 4);
-    let log = drive(Algorithm::Gcra { burst, delay: Duration::ZERO }, limit, window, 17, true);
+    let log = drive(
+        Algorithm::Gcra {
+            burst,
+            delay: Duration::ZERO,
+        },
+        limit,
+        window,
+        17,
+        true,
+    );
     let admitted: Vec<u64> = log.iter().filter(|e| e.2).map(|e| e.0).collect();
     let t = window / limit;
     // In any span [a, b]: at most burst + (b - a) / T requests.

@@ -229,12 +229,19 @@ impl std::str::FromStr for KeySpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
     Fixed,
-    Sliding { precision: Duration },
+    Sliding {
+        precision: Duration,
+    },
     Log,
     /// `delay`: a request that would pass within it is held, then passes.
-    Gcra { burst: u64, delay: Duration },
+    Gcra {
+        burst: u64,
+        delay: Duration,
+    },
     /// Requests in flight at once; a slot lives `lease` unless renewed.
-    Concurrency { lease: Duration },
+    Concurrency {
+        lease: Duration,
+    },
 }
 
 impl fmt::Display for Algorithm {
@@ -249,7 +256,11 @@ impl fmt::Display for Algorithm {
                 write!(f, "gcra (burst {burst})")
             }
             Algorithm::Gcra { burst, delay } => {
-                write!(f, "gcra (burst {burst}, delay {})", duration::format(*delay))
+                write!(
+                    f,
+                    "gcra (burst {burst}, delay {})",
+                    duration::format(*delay)
+                )
             }
             Algorithm::Concurrency { lease } => {
                 write!(f, "concurrency (lease {})", duration::format(*lease))
@@ -456,10 +467,9 @@ impl IetfTexts {
         };
         let names: Vec<String> = ids.iter().map(|id| sf_string(id)).collect();
         let item = |i: usize| match limits.get(i) {
-            Some(l) if matches!(l.algorithm, Algorithm::Concurrency { .. }) => format!(
-                "{};q={};qu=\"concurrent-requests\"",
-                names[i], l.limit
-            ),
+            Some(l) if matches!(l.algorithm, Algorithm::Concurrency { .. }) => {
+                format!("{};q={};qu=\"concurrent-requests\"", names[i], l.limit)
+            }
             Some(l) => format!(
                 "{};q={};w={}",
                 names[i],

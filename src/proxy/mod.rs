@@ -604,7 +604,8 @@ impl Proxy {
                         policy: policy.name.to_string(),
                     };
                     self.metrics.delayed.get_or_create(&label).inc();
-                    (self.metrics.delay_seconds.get_or_create(&label)).inc_by(delay_ms as f64 / 1000.0);
+                    (self.metrics.delay_seconds.get_or_create(&label))
+                        .inc_by(delay_ms as f64 / 1000.0);
                     ctx.delayed_ms = delay_ms;
                     binding = Some(b);
                     ticket = Some(t);
@@ -685,11 +686,7 @@ impl Proxy {
     /// The settle phase: gives back or charges what the answer says, now,
     /// or when its body ends (a `meter` in the trailers or the body's bytes,
     /// and `concurrency` slots, which the body holds).
-    async fn settle(
-        &self,
-        ticket: Ticket,
-        outcome: &mut Result<Response<Body>, ProxyError>,
-    ) {
+    async fn settle(&self, ticket: Ticket, outcome: &mut Result<Response<Body>, ProxyError>) {
         let (status, upstream_failed) = match &*outcome {
             Ok(resp) => (resp.status(), false),
             Err(e) => (e.status(), e.is_upstream_failure()),
@@ -804,6 +801,13 @@ impl Proxy {
             .flatten();
         let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut *req));
         let client = state.clients.get(&*upstream.name).unwrap_or(&self.client);
+        // A meter read from the trailers asks for them: an HTTP/1.1 server
+        // (hyper's, for one) sends trailers only to a client that says it
+        // takes them.
+        let trailers = matches!(
+            route.policy.as_ref().and_then(|p| p.meter.as_ref()),
+            Some(Meter::Trailer(_))
+        );
         // One clock read, when the request is ready to go, for the deadline
         // and the histogram.
         let sent;
@@ -818,6 +822,15 @@ impl Proxy {
                 self.https,
             )
             .map_err(ProxyError::BadRequest)?;
+            let head = if trailers {
+                let mut head = head;
+                let end = head.len() - 2;
+                head.truncate(end);
+                head.extend_from_slice(b"te: trailers\r\n\r\n");
+                head
+            } else {
+                head
+            };
             let method = req.method().clone();
             let exchange = pin!(client.request_own(server, head, method));
             sent = tokio::time::Instant::now();
@@ -841,6 +854,10 @@ impl Proxy {
                 upgrade.as_ref(),
             )
             .map_err(ProxyError::BadRequest)?;
+            if trailers {
+                req.headers_mut()
+                    .insert(header::TE, HeaderValue::from_static("trailers"));
+            }
             let body_timeout = server_config.client_body_timeout;
             // Taken whole first when it fits the upstream's `buffer` (not for
             // an upgrade: its body, if any, is the tunnel's).
@@ -998,7 +1015,9 @@ impl<'a> Held<'a> {
     fn take(count: &'a std::sync::atomic::AtomicUsize, max: usize) -> Option<Held<'a>> {
         use std::sync::atomic::Ordering;
         count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
             .ok()
             .map(|_| Held(count))
     }

@@ -751,7 +751,10 @@ impl RedisStore {
             let now = self.now_arg(now_ms).to_be_bytes();
             let mut args: Vec<&[u8]> = vec![&now];
             args.extend(slots.iter().map(|m| &m[..]));
-            if let Reply::Int(n) = self.eval(&self.lease, LEASE, &keys, &args, deadline).await? {
+            if let Reply::Int(n) = self
+                .eval(&self.lease, LEASE, &keys, &args, deadline)
+                .await?
+            {
                 renewed += usize::try_from(n).unwrap_or(0);
             }
         }
@@ -768,7 +771,10 @@ impl RedisStore {
             .into_iter()
             .map(|g| {
                 let part = g.iter().map(|&i| counters[i].clone()).collect();
-                let part_marks = g.iter().map(|&i| marks.get(i).copied().unwrap_or(0)).collect();
+                let part_marks = g
+                    .iter()
+                    .map(|&i| marks.get(i).copied().unwrap_or(0))
+                    .collect();
                 (part, part_marks)
             })
             .collect()
@@ -974,7 +980,11 @@ fn script_params(c: &Counter) -> (u8, u64, u64) {
         (Algorithm::Gcra { burst, delay }, _) => {
             // The capacity in µs, as the memory store works it out.
             let t = (c.window_ms * 1000 / c.limit.max(1)).max(1);
-            (3, c.window_ms, t.saturating_mul(burst) + delay.as_micros() as u64)
+            (
+                3,
+                c.window_ms,
+                t.saturating_mul(burst) + delay.as_micros() as u64,
+            )
         }
         (Algorithm::Concurrency { lease }, _) => (5, lease.as_millis() as u64, 0),
     }

@@ -28,6 +28,9 @@ pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 ///
 /// - `.../status/N`: answers status N;
 /// - `/slow/MS`: answers after MS milliseconds;
+/// - `/tokens/V`: answers with `X-Tokens-Used: V` (a metered API);
+/// - `/trailer/V/MS`: streams its body for MS ms, then `X-Tokens: V` in
+///   its trailers (`none`: no trailers);
 /// - `/bytes/N`: streams N bytes of body;
 /// - `/upload`: reads the body as it comes and answers its length;
 /// - `/upgrade`: switches protocols (101) to an echo of every byte;
@@ -130,6 +133,42 @@ async fn upstream_answer(
         ] {
             r.headers_mut().append(name, value.parse().unwrap());
         }
+        return Ok(r);
+    }
+    if let Some(value) = path.strip_prefix("/tokens/") {
+        // What a metered API says a request cost, in its head.
+        let mut r = full(StatusCode::OK, "tokens".into());
+        if let Ok(v) = http::HeaderValue::from_str(value) {
+            r.headers_mut().insert("x-tokens-used", v);
+        }
+        return Ok(r);
+    }
+    if let Some(rest) = path.strip_prefix("/trailer/") {
+        // `/trailer/VALUE/MS`: a streamed answer whose cost comes in its
+        // trailers, MS ms after its first bytes ("none": no trailers).
+        let (value, ms) = rest.split_once('/').unwrap_or((rest, "0"));
+        let ms: u64 = ms.parse().unwrap_or(0);
+        let mut trailers = http::HeaderMap::new();
+        if let (false, Ok(v)) = (value == "none", http::HeaderValue::from_str(value)) {
+            trailers.insert("x-tokens", v);
+        }
+        let stream = futures_util::stream::unfold(0, move |i| {
+            let trailers = trailers.clone();
+            async move {
+                match i {
+                    0 => Some((Ok::<_, hyper::Error>(Frame::data(Bytes::from("tok"))), 1)),
+                    1 => {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        Some((Ok(Frame::data(Bytes::from("ens"))), 2))
+                    }
+                    2 if !trailers.is_empty() => Some((Ok(Frame::trailers(trailers)), 3)),
+                    _ => None,
+                }
+            }
+        });
+        let mut r = Response::new(StreamBody::new(stream).boxed());
+        r.headers_mut()
+            .insert("trailer", "x-tokens".parse().unwrap());
         return Ok(r);
     }
     if let Some(ms) = path.strip_prefix("/slow/") {
