@@ -667,6 +667,9 @@ impl fmt::Display for Config {
                 p.ipv6_prefix,
                 p.timezone
             )?;
+            if let Some(meter) = &p.meter {
+                writeln!(f, "    metered by {meter} (the route's cost is the estimate)")?;
+            }
             write_limits(f, "    ", &p.limits)?;
             if let Some(spec) = &p.plan_key {
                 let header = p
@@ -742,6 +745,16 @@ fn write_limits(f: &mut fmt::Formatter<'_>, indent: &str, limits: &[Limit]) -> f
         } else {
             ""
         };
+        if let Algorithm::Concurrency { .. } = l.algorithm {
+            writeln!(
+                f,
+                "{indent}{} in flight by {}, {}",
+                l.limit,
+                keys.join(" + "),
+                l.algorithm
+            )?;
+            continue;
+        }
         writeln!(
             f,
             "{indent}{} per {} by {}, {}{calendar}",
