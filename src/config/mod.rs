@@ -668,7 +668,10 @@ impl fmt::Display for Config {
                 p.timezone
             )?;
             if let Some(meter) = &p.meter {
-                writeln!(f, "    metered by {meter} (the route's cost is the estimate)")?;
+                writeln!(
+                    f,
+                    "    metered by {meter} (the route's cost is the estimate)"
+                )?;
             }
             write_limits(f, "    ", &p.limits)?;
             if let Some(spec) = &p.plan_key {

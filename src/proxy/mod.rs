@@ -693,12 +693,16 @@ impl Proxy {
         };
         let policy = ticket.policy().clone();
         let free = upstream_failed || policy.refund.contains(&status);
-        let label = crate::metrics::PolicyLabel {
+        // Made only when a metric needs it (a name copied per request).
+        let label = || crate::metrics::PolicyLabel {
             policy: policy.name.to_string(),
         };
-        let counters = || metering::MeterCounters {
-            units: self.metrics.metered_units.get_or_create(&label).clone(),
-            errors: self.metrics.meter_errors.get_or_create(&label).clone(),
+        let counters = || {
+            let label = label();
+            metering::MeterCounters {
+                units: self.metrics.metered_units.get_or_create(&label).clone(),
+                errors: self.metrics.meter_errors.get_or_create(&label).clone(),
+            }
         };
         let meter = policy.meter.as_ref();
         // The meter's value in the answer's head, for a header meter.
@@ -737,7 +741,7 @@ impl Proxy {
             .await
         {
             Ok(settled) if settled.refunded => {
-                self.metrics.refunds.get_or_create(&label).inc();
+                self.metrics.refunds.get_or_create(&label()).inc();
             }
             Ok(settled) => {
                 if meter.is_some() {
