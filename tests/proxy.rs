@@ -528,6 +528,39 @@ async fn upstream_connections_are_pooled_and_reused() {
     assert_eq!(up.hits(), 25);
 }
 
+/// An upstream's `keepalive` bounds the idle connections kept, and
+/// `keepalive_timeout` how long one may wait: `0` keeps none, and a
+/// connection idle past its timeout is not reused.
+#[tokio::test]
+async fn keepalive_settings_bound_the_idle_connections() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let up = Upstream::start().await;
+    let cfg = |keep: &str| {
+        format!(
+            "[upstreams.api]\nurl = \"{}\"\n{keep}\n[[routes]]\npath = \"/\"\nupstream = \"api\"\n",
+            up.url()
+        )
+    };
+    let none = Sluice::start(&cfg("keepalive = 0")).await;
+    for _ in 0..3 {
+        assert_eq!(get(&none.url("/a"), &[]).await.status, StatusCode::OK);
+    }
+    wait_until(|| up.conns.load(SeqCst) == 3).await;
+    let clock = sluice::clock::Clock::system();
+    let short = Sluice::start_with_clock(&cfg("keepalive_timeout = \"1s\""), clock).await;
+    get(&short.url("/a"), &[]).await;
+    get(&short.url("/a"), &[]).await;
+    assert_eq!(up.conns.load(SeqCst), 4, "reused within its timeout");
+    // Idle past its timeout (the pool reads the coarse clock, not the test's).
+    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
+    get(&short.url("/a"), &[]).await;
+    assert_eq!(
+        up.conns.load(SeqCst),
+        5,
+        "a connection idle past its timeout is not reused"
+    );
+}
+
 /// An upstream that answers the first request of each connection and closes
 /// the connection, unanswered, when a second one arrives on it: an idle
 /// timeout running out just as a pooled connection is used. Returns its URL,

@@ -531,6 +531,26 @@ fn upstream(d: &mut Diag, name: &str, raw: &Spanned<RawUpstream>, base: &Path) -
         d.err(&v.span(), format!("{key}: ca: {e}"));
         return None;
     }
+    let mut keepalive = Keepalive::default();
+    if let Some(v) = &r.keepalive {
+        match u32::try_from(*v.get_ref()) {
+            Ok(n @ 0..=100_000) => keepalive.idle = n as usize,
+            _ => {
+                d.err(
+                    &v.span(),
+                    format!("{key}: keepalive: must be between 0 and 100000 (idle connections kept per server)"),
+                );
+                return None;
+            }
+        }
+    }
+    if let Some(v) = &r.keepalive_timeout {
+        keepalive.timeout = duration_value(d, &format!("{key}: keepalive_timeout"), v)?;
+    }
+    let servers = servers
+        .into_iter()
+        .map(|s| UpstreamServer { keepalive, ..s })
+        .collect::<Vec<_>>();
     Some(Upstream {
         name: Arc::from(name),
         down_until: servers.iter().map(|_| Default::default()).collect(),
@@ -565,6 +585,7 @@ fn server_url(text: &str) -> Result<UpstreamServer, &'static str> {
         scheme,
         authority,
         base_path,
+        keepalive: Keepalive::default(),
     })
 }
 

@@ -179,6 +179,25 @@ pub struct UpstreamServer {
     pub base_path: String,
     /// `authority` as a ready `Host` header value.
     pub host: http::HeaderValue,
+    /// Its upstream's idle-connection settings.
+    pub keepalive: Keepalive,
+}
+
+/// An upstream's `keepalive` and `keepalive_timeout`: idle connections
+/// kept per server, and how long one may stay idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    pub idle: usize,
+    pub timeout: Duration,
+}
+
+impl Default for Keepalive {
+    fn default() -> Keepalive {
+        Keepalive {
+            idle: 1024,
+            timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 impl fmt::Display for UpstreamServer {
@@ -640,12 +659,15 @@ impl fmt::Display for Config {
         writeln!(f, "upstreams:")?;
         for u in &self.upstreams {
             let servers: Vec<String> = u.servers.iter().map(|s| s.to_string()).collect();
+            let keep = u.servers.first().map(|s| s.keepalive).unwrap_or_default();
             writeln!(
                 f,
-                "  {}: {} (buffer {} bytes)",
+                "  {}: {} (buffer {} bytes, keepalive {} for {})",
                 u.name,
                 servers.join(", "),
-                u.buffer
+                u.buffer,
+                keep.idle,
+                duration::format(keep.timeout)
             )?;
         }
         writeln!(f, "policies:")?;

@@ -84,6 +84,8 @@ pub struct RawUpstream {
     pub ca: Option<Spanned<String>>,
     pub pass_host: Option<bool>,
     pub buffer: Option<Spanned<String>>,
+    pub keepalive: Option<Spanned<i64>>,
+    pub keepalive_timeout: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -47,13 +47,9 @@ use tokio::net::TcpStream;
 use super::h1;
 use super::per_client::Slot;
 use crate::coalesce::Coalesce;
-use crate::config::UpstreamServer;
+use crate::config::{Keepalive, UpstreamServer};
 use crate::tls::TlsError;
 
-/// Idle connections kept per origin, at most.
-const MAX_IDLE: usize = 256;
-/// An idle connection older than this is closed rather than reused.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// A connection idle this long may be one the upstream is closing: a request
 /// sent on it that can be sent again is kept, in case.
 const REPLAY_AFTER_IDLE: Duration = Duration::from_millis(100);
@@ -109,21 +105,21 @@ impl<C: Reusable> Stacks<C> {
 
     /// The most recently used idle connection of `origin` that is still open,
     /// and how long it was idle.
-    fn checkout(&self, origin: &Origin) -> Option<(C, Duration)> {
+    fn checkout(&self, origin: &Origin, keep: Keepalive) -> Option<(C, Duration)> {
         let now = crate::clock::coarse_ms();
         let mut pools = self.lock();
         let stack = pools.get_mut(origin)?;
         while let Some(idle) = stack.pop() {
             let idle_for = Duration::from_millis(now.saturating_sub(idle.since_ms));
-            if idle_for < IDLE_TIMEOUT && idle.conn.is_open() {
+            if idle_for < keep.timeout && idle.conn.is_open() {
                 return Some((idle.conn, idle_for));
             }
         }
         None
     }
 
-    fn give_back(&self, origin: Origin, conn: C) {
-        if !conn.is_open() {
+    fn give_back(&self, origin: Origin, conn: C, keep: Keepalive) {
+        if !conn.is_open() || keep.idle == 0 {
             return;
         }
         let now = crate::clock::coarse_ms();
@@ -132,8 +128,8 @@ impl<C: Reusable> Stacks<C> {
         // The oldest is at the bottom: drop it once it is too old or the
         // stack too high (dropping a connection closes it).
         let too_old =
-            |i: &Idle<C>| now.saturating_sub(i.since_ms) >= IDLE_TIMEOUT.as_millis() as u64;
-        if stack.first().is_some_and(too_old) || stack.len() >= MAX_IDLE {
+            |i: &Idle<C>| now.saturating_sub(i.since_ms) >= keep.timeout.as_millis() as u64;
+        if stack.first().is_some_and(too_old) || stack.len() >= keep.idle {
             stack.remove(0);
         }
         stack.push(Idle {
@@ -238,7 +234,7 @@ impl UpstreamClient {
             let pooled = if fresh {
                 None
             } else {
-                self.pools.hyper.checkout(&origin)
+                self.pools.hyper.checkout(&origin, server.keepalive)
             };
             let (mut sender, idle_for, reused) = match pooled {
                 Some((sender, idle_for)) => (sender, idle_for, true),
@@ -258,7 +254,7 @@ impl UpstreamClient {
             match sender.try_send_request(req).await {
                 Ok(resp) => {
                     let back = (resp.status() != StatusCode::SWITCHING_PROTOCOLS)
-                        .then(|| (sender, Arc::clone(&self.pools), origin));
+                        .then(|| (sender, Arc::clone(&self.pools), origin, server.keepalive));
                     return Ok(resp.map(|body| PooledBody::hyper(body, back)));
                 }
                 Err(mut e) => match (e.take_message(), replay) {
@@ -293,7 +289,7 @@ impl UpstreamClient {
             let pooled = if fresh {
                 None
             } else {
-                self.pools.own.checkout(&origin)
+                self.pools.own.checkout(&origin, server.keepalive)
             };
             let (mut conn, idle_for, reused) = match pooled {
                 Some((conn, idle_for)) => (conn, idle_for, true),
@@ -307,7 +303,7 @@ impl UpstreamClient {
             };
             match h1::send(&mut conn, &head, head_only).await {
                 Ok((resp, reader)) => {
-                    let back = (Arc::clone(&self.pools), origin);
+                    let back = (Arc::clone(&self.pools), origin, server.keepalive);
                     return Ok(resp.map(|()| PooledBody::own(conn, reader, back)));
                 }
                 // Not sent: the connection was closed under it.
@@ -397,7 +393,7 @@ struct Held {
     meter: Option<Box<super::metering::Metering>>,
 }
 
-type Back<C> = (C, Arc<Pools>, Origin);
+type Back<C> = (C, Arc<Pools>, Origin, Keepalive);
 
 enum Read {
     Hyper {
@@ -499,13 +495,13 @@ impl PooledBody {
     fn own(
         conn: h1::Conn,
         reader: h1::Reader,
-        (pools, origin): (Arc<Pools>, Origin),
+        (pools, origin, keep): (Arc<Pools>, Origin, Keepalive),
     ) -> PooledBody {
         let end = reader.is_end();
         let mut body = PooledBody(Box::new(Held {
             read: Read::Own {
                 reader,
-                back: Some((conn, pools, origin)),
+                back: Some((conn, pools, origin, keep)),
             },
             slot: None,
             meter: None,
@@ -519,15 +515,15 @@ impl PooledBody {
     fn give_back(&mut self) {
         match &mut self.0.read {
             Read::Hyper { back, .. } => {
-                if let Some((sender, pools, origin)) = back.take() {
-                    pools.hyper.give_back(origin, sender);
+                if let Some((sender, pools, origin, keep)) = back.take() {
+                    pools.hyper.give_back(origin, sender, keep);
                 }
             }
             Read::Own { reader, back } => {
-                if let Some((conn, pools, origin)) = back.take()
+                if let Some((conn, pools, origin, keep)) = back.take()
                     && reader.reusable(&conn)
                 {
-                    pools.own.give_back(origin, conn);
+                    pools.own.give_back(origin, conn, keep);
                 }
             }
             // The task gives its body's connection back.
@@ -552,7 +548,7 @@ impl Body for PooledBody {
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
             Read::Own { reader, back } => {
-                let Some((conn, _, _)) = back else {
+                let Some((conn, ..)) = back else {
                     return Poll::Ready(None);
                 };
                 let frame = ready!(reader.poll_frame(conn, cx));
