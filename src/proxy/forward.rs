@@ -355,6 +355,7 @@ mod tests {
                 authority: http::uri::Authority::from_static("10.0.0.9:8080"),
                 base_path: base_path.to_string(),
                 host: HeaderValue::from_static("10.0.0.9:8080"),
+                keepalive: Default::default(),
             }],
             ca: None,
             pass_host,
