@@ -760,17 +760,25 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
             ),
         ));
     }
-    // A slot is taken with the decision and held while the request runs:
+    // A slot is taken, and a delay's place in line, with the decision:
     // `charge = "after"` takes nothing before the response.
-    if charge == Charge::After {
-        let slots = std::iter::once(&limits)
-            .chain(plan_limits.iter().map(|(_, _, l)| l))
-            .flatten()
-            .any(|l| matches!(l.algorithm, Algorithm::Concurrency { .. }));
-        if let (true, Some(v)) = (slots, &r.charge) {
+    if let (Charge::After, Some(v)) = (charge, &r.charge) {
+        let all = || {
+            std::iter::once(&limits)
+                .chain(plan_limits.iter().map(|(_, _, l)| l))
+                .flatten()
+        };
+        if all().any(|l| matches!(l.algorithm, Algorithm::Concurrency { .. })) {
             d.err(
                 &v.span(),
                 format!("{key}: charge: a \"concurrency\" limit takes its slot with the decision; use charge = \"reserve\""),
+            );
+        } else if all()
+            .any(|l| matches!(l.algorithm, Algorithm::Gcra { delay, .. } if !delay.is_zero()))
+        {
+            d.err(
+                &v.span(),
+                format!("{key}: charge: a \"delay\" paces requests by what the decision charges; use charge = \"reserve\""),
             );
         }
     }
@@ -932,7 +940,7 @@ fn policy(d: &mut Diag, name: &str, raw: &Spanned<RawPolicy>) -> Option<Policy> 
         plan_key,
         plan_header,
         assign: Default::default(),
-        ietf: IetfTexts::new(name, DEFAULT_PLAN, &[]),
+        ietf: IetfTexts::new(name, DEFAULT_PLAN, &[], false),
         x_heads: Vec::new(),
     }
     .variant(DEFAULT_PLAN, limits);

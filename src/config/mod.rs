@@ -416,7 +416,12 @@ impl Policy {
             }
         }
         Policy {
-            ietf: IetfTexts::new(&self.name, plan, &limits),
+            ietf: IetfTexts::new(
+                &self.name,
+                plan,
+                &limits,
+                self.meter == Some(Meter::BodyBytes),
+            ),
             x_heads: limits
                 .iter()
                 .map(|l| format!("x-ratelimit-limit: {}\r\nx-ratelimit-remaining: ", l.limit))
@@ -470,8 +475,10 @@ pub struct IetfTexts {
 }
 
 impl IetfTexts {
-    /// The texts of `limits`, plan `plan` of policy `policy`.
-    pub fn new(policy: &str, plan: &str, limits: &[Limit]) -> IetfTexts {
+    /// The texts of `limits`, plan `plan` of policy `policy`; `bytes`: its
+    /// units are the body's bytes (`meter = "body-bytes"`), said by the
+    /// items' quota unit, `qu="content-bytes"`.
+    pub fn new(policy: &str, plan: &str, limits: &[Limit], bytes: bool) -> IetfTexts {
         let prefix = if plan == DEFAULT_PLAN {
             policy.to_string()
         } else {
@@ -490,9 +497,10 @@ impl IetfTexts {
                 format!("{};q={};qu=\"concurrent-requests\"", names[i], l.limit)
             }
             Some(l) => format!(
-                "{};q={};w={}",
+                "{};q={}{};w={}",
                 names[i],
                 l.limit,
+                if bytes { ";qu=\"content-bytes\"" } else { "" },
                 // A window under a second is shown as one: w is a positive
                 // whole number of seconds.
                 (l.window.as_millis() as u64).div_ceil(1000).max(1)
@@ -624,11 +632,12 @@ impl fmt::Display for Config {
         writeln!(f, "server: listen {}{tls}, workers {}", s.listen, s.workers)?;
         writeln!(
             f,
-            "clients: max_connections {}, listen_backlog {}, max_streams {}, max_upstream_per_client {}, escaped_slashes {}, underscore_headers {}",
+            "clients: max_connections {}, listen_backlog {}, max_streams {}, max_upstream_per_client {}, max_delayed {}, escaped_slashes {}, underscore_headers {}",
             s.max_connections,
             s.listen_backlog,
             s.max_streams,
             s.max_upstream_per_client,
+            s.max_delayed,
             // As the file spells them.
             format!("{:?}", s.escaped_slashes).to_ascii_lowercase(),
             format!("{:?}", s.underscore_headers).to_ascii_lowercase()
@@ -842,10 +851,10 @@ limits = [{ limit = 1000, window = "1m" }, { limit = 5, window = "250ms" }]
         let config = parse(text, "test.toml", Path::new(".")).expect("valid");
         let limits = &config.policies[0].limits;
         // The default plan keeps the names it always had.
-        let default = IetfTexts::new("api", DEFAULT_PLAN, limits);
+        let default = IetfTexts::new("api", DEFAULT_PLAN, limits, false);
         assert_eq!(default.ids, ["api-1m", "api-250ms"]);
         // A named plan's items say the plan; a window under a second is w=1.
-        let gold = IetfTexts::new("api", "gold", limits);
+        let gold = IetfTexts::new("api", "gold", limits, false);
         assert_eq!(gold.ids, ["api-gold-1m", "api-gold-250ms"]);
         assert_eq!(
             gold.list(1),
@@ -854,11 +863,17 @@ limits = [{ limit = 1000, window = "1m" }, { limit = 5, window = "250ms" }]
         assert_eq!(gold.violated(0b11, 0), ["api-gold-1m", "api-gold-250ms"]);
         assert_eq!(gold.violated(0, 1), ["api-gold-250ms"]);
         // A plan that refuses everything still has one item: quota 0.
-        let blocked = IetfTexts::new("api", "blocked", &[]);
+        let blocked = IetfTexts::new("api", "blocked", &[], false);
         assert_eq!(blocked.names, [r#""api-blocked""#]);
         assert_eq!(blocked.list(0), r#""api-blocked";q=0"#);
         assert_eq!(blocked.name(3), r#""api-blocked""#);
         assert_eq!(blocked.list(3), r#""api-blocked";q=0"#);
         assert_eq!(blocked.violated(0, 0), ["api-blocked"]);
+        // Units of body bytes say so.
+        let bytes = IetfTexts::new("api", DEFAULT_PLAN, limits, true);
+        assert_eq!(
+            bytes.list(0),
+            r#""api-1m";q=1000;qu="content-bytes";w=60, "api-250ms";q=5;qu="content-bytes";w=1"#
+        );
     }
 }

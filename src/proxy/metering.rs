@@ -60,6 +60,8 @@ pub struct Metering {
     sent: u64,
     ended: bool,
     counters: Option<MeterCounters>,
+    /// `sluice_store_errors_total`: a settlement that fails counts there.
+    store_errors: Counter,
 }
 
 impl Metering {
@@ -71,6 +73,7 @@ impl Metering {
         meter: Option<&Meter>,
         head: Option<Option<u64>>,
         counters: Option<MeterCounters>,
+        store_errors: Counter,
     ) -> Metering {
         let reading = match meter {
             None => Reading::Estimate,
@@ -86,6 +89,7 @@ impl Metering {
             sent: 0,
             ended: false,
             counters,
+            store_errors,
         }
     }
 
@@ -134,6 +138,7 @@ impl Drop for Metering {
             return;
         };
         let (settler, status, counters) = (self.settler.clone(), self.status, self.counters.take());
+        let store_errors = self.store_errors.clone();
         runtime.spawn(async move {
             match settler.settle(ticket, status, false, metered).await {
                 Ok(settled) => {
@@ -141,7 +146,10 @@ impl Drop for Metering {
                         c.units.inc_by(settled.charged);
                     }
                 }
-                Err(e) => crate::store::log_error(&e, "could not settle a request"),
+                Err(e) => {
+                    store_errors.inc();
+                    crate::store::log_error(&e, "could not settle a request");
+                }
             }
         });
     }

@@ -720,8 +720,9 @@ impl Proxy {
         {
             let counters = meter.map(|_| counters());
             let settler = self.limiter.settler();
+            let errors = self.metrics.store_errors.clone();
             body.settle_at_end(metering::Metering::new(
-                settler, ticket, status, meter, head, counters,
+                settler, ticket, status, meter, head, counters, errors,
             ));
             return;
         }
