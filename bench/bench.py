@@ -730,10 +730,12 @@ def targets(rows, extra, idle, cost):
     for load in loads:
         r = row.get(("sluice-redis", load))
         if r:
-            # Two decimals: the few background commands (plans, a few a
-            # second) are not a decision's.
-            check(round(r["redis_calls"], 2) <= 1,
-                  f"{load} Redis policy: {r['redis_calls']:.2f} Redis calls per request (<= 1)")
+            # The requests in flight when the load generator stopped were
+            # decided but not counted as requests.
+            most = 1 + r["inflight"] / r["requests"]
+            check(r["redis_calls"] <= most,
+                  f"{load} Redis policy: {r['redis_calls']:.3f} Redis calls per request (<= 1; up to "
+                  f"{most:.3f} with the {r['inflight']} requests in flight when {r['tool']} stopped)")
 
     out.append("earlier targets (issue 40, HTTP/1.1 at -c50 and -c200), kept as checks:")
     for load in [load.label for load in LOADS if load.via == "http" and load.conns <= 200 and load.label in loads]:
@@ -1098,9 +1100,10 @@ upstream = "api"
             L = load.label
             for s in plan[L]:
                 rs = results[(s, L)]
-                row = {"setup": s, "load": L, "conns": load.conns, "via": load.via,
+                row = {"setup": s, "load": L, "conns": load.conns, "via": load.via, "tool": load.tool,
+                       "inflight": load.inflight,
                        **{k: med(rs, k) for k in ["rps", "p50", "p99", "cpu_us", "user_us", "sys_us", "redis_us",
-                                                  "redis_calls", "new_up", "client_pct"]},
+                                                  "redis_calls", "new_up", "client_pct", "requests"]},
                        "flagged": flagged[(s, L)], "best": {key: best[(key, L)] for key in FIGURES},
                        "vs": {}, "rps_x": None, "p99_x": None, "cpu_x": None, "cpu_vs_none": None,
                        "rps_vs_none": None}
