@@ -47,8 +47,9 @@ throwaway certificate for 127.0.0.1, then starts:
   envoy-redis   not a proxy: what Envoy's rate limit service sends Redis for
                 the same policy (per limit INCRBY + EXPIRE, one pipeline per
                 decision, not atomic; bench/clients.py), at the same
-                redis-server, 50 decisions in flight: the baseline for
-                Redis's CPU per decision
+                redis-server, on 10 connections, at the rate sluice-redis
+                reached just before it: the baseline for Redis's CPU per
+                decision
   floor         a TCP relay with no HTTP (bench/floor.rs): tokio, 1 worker,
                 mimalloc, like sluice; what any proxy built so pays before its
                 own work (not a target: a scale for the others)
@@ -84,9 +85,10 @@ memory, divided by the connections.
 Reported per setup and load, as the median over rounds: req/s, p50, p99,
 proxy CPU µs per request (utime+stime of the proxy process over the run /
 requests), Redis CPU µs per request (redis-server's own CPU), Redis calls
-per request (INFO commandstats: every command but the bench's own INFO),
-the new connections the upstream accepted during the run (a setup that opens
-more than its client connections in a run is flagged `!`: under keep-alive
+per request (INFO commandstats: script calls, EVALSHA and the like, a batch
+of decisions in one call counting one; for envoy-redis its commands), the
+new connections the upstream accepted during the run (a setup that opens
+more than its requests in flight in a run is flagged `!`: under keep-alive
 load a well configured proxy opens none), the load generator's CPU, and each
 figure as a ratio to the best peer for that figure (nginx or haproxy,
 whichever has the most req/s, the lowest p99, the least CPU; a flagged peer
@@ -573,10 +575,9 @@ def measure(cmd, parse, proxy_pids, redis_pid=None, redis_port=None, status_port
     """Runs the load generator `cmd` and reads its output with `parse` (which
     gives at least `requests` and `seconds`). Adds the proxies' CPU per
     request (user, system), Redis's CPU and calls per request (of the
-    commands `calls`), the load
-    generator's own CPU (per cent of one core: `client_pct`) and, with
-    `status_port` (the upstream's stub_status), the new connections the
-    upstream accepted during it (`new_up`)."""
+    commands `calls`), the load generator's own CPU (per cent of one core:
+    `client_pct`) and, with `status_port` (the upstream's stub_status), the
+    new connections the upstream accepted during it (`new_up`)."""
     def proxies_cpu():
         splits = [cpu_split(p) for p in proxy_pids]
         return sum(u for u, _ in splits), sum(s for _, s in splits)
@@ -692,7 +693,8 @@ def svg_plot(rows, path):
 
 def targets(rows, extra, idle, cost):
     """The performance targets, each with its figure from this run: met or
-    not. Returns (lines, [(met, text)]) for the table and the summary."""
+    not. Returns (lines, [(met, text)]) for the table and the summary; a
+    `met` of None is a heading."""
     row = {(r["setup"], r["load"]): r for r in rows}
     loads = list(dict.fromkeys(r["load"] for r in rows))
     out = ["targets (ratios are medians of each round's ratio; against a peer: the best peer for that figure):"]
@@ -738,6 +740,7 @@ def targets(rows, extra, idle, cost):
                   f"{most:.3f} with the {r['inflight']} requests in flight when {r['tool']} stopped)")
 
     out.append("earlier targets (issue 40, HTTP/1.1 at -c50 and -c200), kept as checks:")
+    verdicts.append((None, "Kept from issue 40 (HTTP/1.1 at -c50 and -c200):"))
     for load in [load.label for load in LOADS if load.via == "http" and load.conns <= 200 and load.label in loads]:
         mem, red = row.get(("sluice-mem", load)), row.get(("sluice-redis", load))
         if mem:
@@ -808,8 +811,11 @@ def markdown(rows, idle, verdicts, footer):
     if idle:
         out += ["", "| memory per idle keep-alive connection | " + " | ".join(idle) + " |",
                 "|---|" + "---|" * len(idle),
-                "| KB (RSS growth / connections) | " + " | ".join(f"{v['kb']:.2f}" for v in idle.values()) + " |"]
-    out += [""] + [f"- {'met' if ok else '**not met**'}: {text}" for ok, text in verdicts]
+                "| KB (RSS growth / connections) | " + " | ".join(f"{v['kb']:.2f}" for v in idle.values()) + " |",
+                "| connections | " + " | ".join(f"{v['connections']:,}" for v in idle.values()) + " |"]
+    out += ["", "Targets:", ""]
+    for ok, text in verdicts:
+        out.append(f"\n{text}\n" if ok is None else f"- {'met' if ok else '**not met**'}: {text}")
     out += ["", footer]
     return "\n".join(out)
 
