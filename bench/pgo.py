@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench import (POLICY, ROOT, Procs, exit_on_signals, fields_lua, free_port, many_lua, need,
+from bench import (POLICY, ROOT, Procs, certificates, exit_on_signals, fields_lua, free_port, many_lua, need,
                    redis_args, redis_store, upstream_conf, wait_port)
 
 PGO_DIR = os.path.join(ROOT, "target", "pgo")
@@ -110,23 +110,6 @@ def post_lua(dir_):
         f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                 'wrk.body = \'{"data":"\' .. string.rep("x", 1010) .. \'"}\'\n')
     return script
-
-
-def certificates(dir_):
-    """A throwaway CA and a certificate it signed for 127.0.0.1 (rustls
-    refuses a self-signed CA certificate as a server's); returns (ca, cert, key)."""
-    ca, ca_key = os.path.join(dir_, "ca.pem"), os.path.join(dir_, "ca-key.pem")
-    cert, key, csr = (os.path.join(dir_, n) for n in ("cert.pem", "key.pem", "cert.csr"))
-    ext = os.path.join(dir_, "cert.ext")
-    with open(ext, "w") as f:
-        f.write("subjectAltName = IP:127.0.0.1\nbasicConstraints = CA:FALSE\n")
-    p256 = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
-    for args in (["req", "-x509", *p256, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=sluice-pgo-ca"],
-                 ["req", *p256, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
-                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
-                  "-days", "2", "-extfile", ext]):
-        subprocess.run(["openssl", *args], capture_output=True, check=True)
-    return ca, cert, key
 
 
 def train(binary, profiles):
