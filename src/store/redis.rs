@@ -9,7 +9,10 @@
 //!
 //! A single server is reached through `pipe.rs`: one pipelined connection for
 //! every call, made lazily (so sluice starts while Redis is down) and again by
-//! the first call after a failure. With `store.cluster` it is the redis crate's
+//! the first call after a failure. Decisions that queue on it together go to
+//! Redis as one call of `lua/batch.lua`, which runs acquire.lua for each in
+//! turn (each still atomic, and answered as on its own); a lone one goes as
+//! it is. With `store.cluster` it is the redis crate's
 //! cluster client, also connected lazily, which follows slot moves and
 //! failovers. Every call is bounded by `store.timeout`.
 //!
@@ -36,7 +39,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use tokio::time::Instant;
 
-use super::pipe::{Command, Pending, Pipe, Reply, Target};
+use super::pipe::{Batching, Command, Pending, Pipe, Reply, Target, is_noscript};
 use super::{Counter, CounterState, GIVE_UP, Memo, Outcome, PerCounter, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
@@ -44,6 +47,13 @@ static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
 static REFUND: &str = include_str!("../../lua/refund.lua");
 static PLAN: &str = include_str!("../../lua/plan.lua");
 static LEASE: &str = include_str!("../../lua/lease.lua");
+static BATCH: &str = include_str!("../../lua/batch.lua");
+
+/// lua/batch.lua with acquire.lua's text in it: made when sluice starts, so
+/// that it is whatever acquire.lua the binary holds.
+fn batch_text() -> String {
+    BATCH.replacen("--@acquire.lua\n", &format!("{ACQUIRE}\n"), 1)
+}
 
 // One per process: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
@@ -192,7 +202,12 @@ impl RedisStore {
             Some(url) => {
                 let target =
                     Target::from_url(url, ca.as_deref()).map_err(StoreError::Unavailable)?;
-                Conn::Single(Pipe::new(target, config.timeout))
+                let text = batch_text();
+                let batching = Batching {
+                    hash: Script::new(&text).get_hash().to_string(),
+                    text,
+                };
+                Conn::Single(Pipe::new(target, config.timeout, Some(batching)))
             }
             None => {
                 let mut builder = ClusterClient::builder(config.cluster.iter().map(String::as_str));
@@ -225,6 +240,7 @@ impl RedisStore {
 
     /// Loads both scripts, so the first requests do not meet `NOSCRIPT`. If
     /// Redis is down this fails quietly: each call loads on demand anyway.
+    /// (The batch script is loaded by each new connection, see `pipe.rs`.)
     pub async fn preload(&self) {
         for (script, text) in [(&self.acquire, ACQUIRE), (&self.refund, REFUND)] {
             let load = async {
@@ -463,7 +479,7 @@ impl RedisStore {
         };
         let (template, at) = memo?.0.get()?;
         let head = self.head(mode, now_ms, cost);
-        Some((pipe, pipe.send_now(&template.with(*at, &head), deadline)?))
+        Some((pipe, pipe.send_decision(template, *at, &head, deadline)?))
     }
 
     fn eval_command(&self, counters: &[Counter], head: &[u8; HEAD]) -> Result<Command, StoreError> {
@@ -622,6 +638,13 @@ impl RedisStore {
                 self.acquire_memo(pipe, memo, counters, &head, deadline)
                     .await?
             }
+            (Conn::Single(pipe), None) => {
+                let (keys, arg) = self.acquire_args(counters, &head)?;
+                let hash = self.acquire.get_hash().as_bytes();
+                let evalsha = script_command(b"EVALSHA", hash, &keys, &[&arg]);
+                let eval = || Ok(script_command(b"EVAL", ACQUIRE.as_bytes(), &keys, &[&arg]));
+                run_decision(pipe, (&evalsha, 0, &[]), eval, deadline).await?
+            }
             _ => {
                 let (keys, arg) = self.acquire_args(counters, &head)?;
                 self.eval(&self.acquire, ACQUIRE, &keys, &[&arg], deadline)
@@ -663,9 +686,8 @@ impl RedisStore {
                 memo.0.get_or_init(|| (cmd, at))
             }
         };
-        let evalsha = template.with(*at, head);
         let eval = || self.eval_command(counters, head);
-        run_script(pipe, &evalsha, eval, deadline).await
+        run_decision(pipe, (template, *at, head), eval, deadline).await
     }
 
     pub async fn refund(
@@ -832,25 +854,23 @@ async fn run_script(
     }
 }
 
-/// Whether Redis answered that it does not have the script (restarted, or
-/// `SCRIPT FLUSH`): the call is made again with the script's text.
-fn is_noscript(reply: &Reply) -> bool {
-    matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
+/// [`run_script`] of an acquire.lua decision, `(command, at, head)` as
+/// [`Pipe::call_decision`] takes it: it may share a call with others.
+async fn run_decision(
+    pipe: &Pipe,
+    (evalsha, at, head): (&Command, usize, &[u8]),
+    eval: impl FnOnce() -> Result<Command, StoreError>,
+    deadline: Instant,
+) -> Result<Reply, StoreError> {
+    match pipe.call_decision(evalsha, at, head, deadline).await? {
+        reply if is_noscript(&reply) => checked(pipe.call(&eval()?, deadline).await),
+        reply => checked(Ok(reply)),
+    }
 }
 
 /// `EVALSHA` (or `EVAL`) of a script, by hash (or text), over `keys` and `args`.
 fn script_command(verb: &[u8], script: &[u8], keys: &[Vec<u8>], args: &[&[u8]]) -> Command {
-    let bytes =
-        keys.iter().map(Vec::len).sum::<usize>() + args.iter().map(|a| a.len()).sum::<usize>();
-    let mut cmd = Command::new(3 + keys.len() + args.len(), script.len() + bytes);
-    cmd.arg(verb).arg(script).arg_number(keys.len());
-    for k in keys {
-        cmd.arg(k);
-    }
-    for a in args {
-        cmd.arg(a);
-    }
-    cmd
+    Command::script(verb, script, keys, args)
 }
 
 /// A redis-rs reply (from a cluster) as the pipe reads replies.
