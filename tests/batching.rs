@@ -57,7 +57,16 @@ fn counter(id: &str, limit: u64, window_ms: u64, algorithm: Algorithm) -> Counte
     }
 }
 
-/// One identity's counters: every algorithm, in one packed string but the log.
+/// A `gcra` limit.
+fn gcra(burst: u64, delay_ms: u64) -> Algorithm {
+    Algorithm::Gcra {
+        burst,
+        delay: Duration::from_millis(delay_ms),
+    }
+}
+
+/// One identity's counters: every algorithm, in one packed string but the
+/// log and the concurrency slots (a sorted set each).
 fn counters(id: &str) -> Vec<Counter> {
     vec![
         counter(id, 9, 1_000, Algorithm::Fixed),
@@ -69,9 +78,24 @@ fn counters(id: &str) -> Vec<Counter> {
                 precision: Duration::from_secs(1),
             },
         ),
-        counter(id, 6, 1_000, Algorithm::Gcra { burst: 3 }),
+        counter(id, 6, 1_000, gcra(3, 0)),
+        counter(id, 5, 2_000, gcra(2, 700)),
         counter(id, 12, 3_000, Algorithm::Log),
+        counter(
+            id,
+            4,
+            2_000,
+            Algorithm::Concurrency {
+                lease: Duration::from_secs(2),
+            },
+        ),
     ]
+}
+
+/// Whether a counter's marks are its call's nonce (which differs from store
+/// to store), not a bucket.
+fn nonce_marked(c: &Counter) -> bool {
+    matches!(c.algorithm, Algorithm::Log | Algorithm::Concurrency { .. })
 }
 
 /// Runs `calls` as concurrent requests do: each is polled once, in order (so
@@ -124,22 +148,51 @@ async fn decisions_sent_together_answer_and_write_as_one_by_one() {
     let single = store(&redis, "s:");
     batched.preload().await;
     single.preload().await;
+    // (Renewals' script too, so that every call below is an EVALSHA.)
+    let _: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(include_str!("../lua/lease.lua"))
+        .query(&mut redis.conn())
+        .unwrap();
     let ids = ["a", "b", "c", "d", "e"];
     let memos: [[Memo; 5]; 2] = Default::default();
     let mut rng = Rng(0x5eed_ba7c);
     let mut now = 1_800_000_000_123u64;
-    let (mut decisions, mut groups, mut refunds, mut denied) = (0u64, 0u64, 0u64, 0u64);
+    let (mut decisions, mut groups, mut settlements, mut denied) = (0u64, 0u64, 0u64, 0u64);
     let mut tickets: Vec<Ticket> = Vec::new();
     let mut slowest = 0;
     redis.reset_stats();
     for group in 0..150 {
         now += rng.below(900);
-        if rng.below(3) == 0 && !tickets.is_empty() {
+        // Settlements, one at a time (they are not batched): all or part
+        // given back, or more charged, slots freed; or slots renewed.
+        for _ in 0..rng.below(4) {
+            if tickets.is_empty() {
+                break;
+            }
             let (counters, b, s, cost) =
                 tickets.swap_remove(rng.below(tickets.len() as u64) as usize);
-            batched.refund(&counters, &b, cost, now).await.unwrap();
-            single.refund(&counters, &s, cost, now).await.unwrap();
-            refunds += 1;
+            match rng.below(3) {
+                0 => {
+                    let back = rng.below(cost + 1);
+                    batched.refund(&counters, &b, back, now).await.unwrap();
+                    single.refund(&counters, &s, back, now).await.unwrap();
+                }
+                1 => {
+                    let extra = 1 + rng.below(6);
+                    batched
+                        .charge_more(&counters, &b, extra, now)
+                        .await
+                        .unwrap();
+                    single.charge_more(&counters, &s, extra, now).await.unwrap();
+                }
+                _ => {
+                    let renewed = batched.renew(&counters, &b, now).await.unwrap();
+                    assert_eq!(renewed, single.renew(&counters, &s, now).await.unwrap());
+                    tickets.push((counters, b, s, cost));
+                }
+            }
+            settlements += 1;
         }
         // Mostly a few, sometimes more than one batch holds.
         let size = if group == 75 { 300 } else { 1 + rng.below(40) };
@@ -190,7 +243,7 @@ async fn decisions_sent_together_answer_and_write_as_one_by_one() {
                 "decision {decisions}"
             );
             for (i, c) in c.iter().enumerate() {
-                if c.algorithm != Algorithm::Log {
+                if !nonce_marked(c) {
                     assert_eq!(b.marks[i], s.marks[i], "decision {decisions}");
                 }
             }
@@ -213,17 +266,17 @@ async fn decisions_sent_together_answer_and_write_as_one_by_one() {
     );
     assert!(decisions > 8 * groups, "{decisions} decisions");
     // One call per group (the group of 300 is three: at most 128 a batch),
-    // one per decision one by one, one per refund for each store.
+    // one per decision one by one, one per settlement for each store.
     assert_eq!(redis.calls("eval"), 0);
     assert_eq!(
         redis.calls("evalsha"),
-        (groups + 2) + decisions + 2 * refunds
+        (groups + 2) + decisions + 2 * settlements
     );
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg("b:*")
         .query(&mut redis.conn())
         .unwrap();
-    assert_eq!(keys.len(), 10, "{keys:?}");
+    assert_eq!(keys.len(), 15, "{keys:?}");
 }
 
 /// Redis's clock, in unix ms.
@@ -234,7 +287,8 @@ fn redis_ms(redis: &RedisServer) -> i64 {
 
 /// Checks that Redis holds the same under prefixes `b:` and `s:`: every
 /// packed string byte for byte, expiring at the same time (within
-/// `tolerance` ms), and every log the same entries' times.
+/// `tolerance` ms), and every sorted set (a log, concurrency slots) the same
+/// entries' scores.
 fn same_in_redis(redis: &RedisServer, after: &str, tolerance: i64) {
     let mut conn = redis.conn();
     let mut keys: Vec<String> = redis::cmd("KEYS").arg("b:*").query(&mut conn).unwrap();
@@ -308,7 +362,7 @@ async fn a_key_written_twice_in_a_batch_lives_as_its_last_write_says() {
     store.preload().await;
     // One unit every second, up to 100 at once: a TAT one second on, then
     // 51. Each write moves the key's TTL, by 50 s.
-    let gcra = [counter("g", 100, 100_000, Algorithm::Gcra { burst: 100 })];
+    let gcra = [counter("g", 100, 100_000, gcra(100, 0))];
     let now = 1_800_000_000_000;
     let answers = together(vec![
         store.acquire(&gcra, None, 1, 1, now),
@@ -354,8 +408,9 @@ async fn a_lone_decision_goes_at_once_as_acquire_lua_itself() {
     assert_eq!(calls.len(), 3);
     for call in &calls {
         assert_eq!(call[1], acquire.get_hash().as_bytes());
-        // acquire.lua's keys: the packed string and the log's sorted set.
-        assert_eq!(call[2], b"2");
+        // acquire.lua's keys: the packed string, and the sorted sets of the
+        // log and the concurrency slots.
+        assert_eq!(call[2], b"3");
     }
     // Five together: one call of the batch script with all their keys.
     let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
@@ -371,10 +426,10 @@ async fn a_lone_decision_goes_at_once_as_acquire_lua_itself() {
     let calls = slowlog(&redis);
     assert_eq!(calls.len(), 1, "{} calls", calls.len());
     assert_ne!(calls[0][1], acquire.get_hash().as_bytes());
-    assert_eq!(calls[0][2], b"10");
+    assert_eq!(calls[0][2], b"15");
     // The keys, then how many are each decision's, then their arguments.
-    assert_eq!(calls[0].len(), 3 + 10 + 1 + 5);
-    assert_eq!(calls[0][13], [2, 2, 2, 2, 2]);
+    assert_eq!(calls[0].len(), 3 + 15 + 1 + 5);
+    assert_eq!(calls[0][18], [3, 3, 3, 3, 3]);
 }
 
 #[tokio::test]
