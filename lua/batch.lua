@@ -11,24 +11,32 @@
 --
 -- KEYS     every decision's keys (as for acquire.lua), one decision after the
 --          other
--- ARGV[1]  one byte per decision: how many of KEYS are its own
+-- ARGV[1]  a byte, 1 when a key is more than one decision's (else 0), then
+--          one byte per decision: how many of KEYS are its own
 -- ARGV[2+] each decision's argument (as for acquire.lua)
 --
 -- Returns an array: each decision's answer as acquire.lua gives it, or the
 -- error it met (one decision's error is its own; the others are answered).
 --
 -- acquire.lua reaches Redis through `redis.call`; here that is a stand-in
--- that answers TIME once per call, and GET and SET from a table: a key is
--- read once, and written once at the end with the TTL its last write asked
--- for (PX, else KEEPTTL). Nothing else can see a key between two decisions
--- (Redis runs a script alone), so that is what each decision would have
--- read and written on its own. Any other command first writes what is held
--- and forgets what was read, so it sees and changes Redis as it is.
+-- that answers TIME once per call. When decisions share a key, it also
+-- answers GET and SET from a table: a key is read once, and written once at
+-- the end with the TTL its last write asked for (PX, else KEEPTTL). Nothing
+-- else can see a key between two decisions (Redis runs a script alone), so
+-- that is what each decision would have read and written on its own. Any
+-- other command first writes what is held and forgets what was read, so it
+-- sees and changes Redis as it is. (Keeping keys costs more than it saves
+-- when none is shared: then GET and SET go to Redis.)
 
 local rcall, rpcall = redis.call, redis.pcall
 -- held[key]: the key's value as read or written (false: none); ttl[key]:
 -- the PX of a write not made yet (false: KEEPTTL).
 local time, held, ttl = nil, {}, {}
+
+local function now()
+  time = time or rcall('TIME')
+  return time
+end
 
 local function flush()
   for key, px in pairs(ttl) do
@@ -47,7 +55,14 @@ local function passed(f, ...)
   return f(...)
 end
 
-local redis = setmetatable({
+local direct = setmetatable({
+  call = function(cmd, ...)
+    if cmd == 'TIME' and ... == nil then return now() end
+    return rcall(cmd, ...)
+  end,
+}, {__index = redis})
+
+local kept = setmetatable({
   call = function(cmd, ...)
     local key, value, opt, px, more = ...
     if cmd == 'GET' and value == nil then
@@ -67,8 +82,7 @@ local redis = setmetatable({
       end
       return true
     elseif cmd == 'TIME' and key == nil then
-      time = time or rcall('TIME')
-      return time
+      return now()
     end
     return passed(rcall, cmd, ...)
   end,
@@ -77,18 +91,21 @@ local redis = setmetatable({
   end,
 }, {__index = redis})
 
+local shared = string.byte(ARGV[1]) == 1
+local redis = shared and kept or direct
+
 local function acquire(KEYS, ARGV)
 --@acquire.lua
 end
 
 -- One KEYS and ARGV table for all decisions (a table costs more than the
 -- rest of a small decision): acquire.lua only reads them.
-local sizes, keys, argv, out, at, kept = ARGV[1], {}, {}, {}, 0, 0
-for d = 1, #sizes do
-  local n = string.byte(sizes, d)
+local sizes, keys, argv, out, at, last = ARGV[1], {}, {}, {}, 0, 0
+for d = 1, #sizes - 1 do
+  local n = string.byte(sizes, d + 1)
   for j = 1, n do keys[j] = KEYS[at + j] end
-  for j = n + 1, kept do keys[j] = nil end
-  at, kept = at + n, n
+  for j = n + 1, last do keys[j] = nil end
+  at, last = at + n, n
   argv[1] = ARGV[d + 1]
   local ok, answer = pcall(acquire, keys, argv)
   if not ok and type(answer) ~= 'table' then answer = {err = tostring(answer)} end

@@ -427,9 +427,28 @@ async fn a_lone_decision_goes_at_once_as_acquire_lua_itself() {
     assert_eq!(calls.len(), 1, "{} calls", calls.len());
     assert_ne!(calls[0][1], acquire.get_hash().as_bytes());
     assert_eq!(calls[0][2], b"15");
-    // The keys, then how many are each decision's, then their arguments.
+    // The keys, then whether a key is more than one decision's and how many
+    // are each decision's, then their arguments.
     assert_eq!(calls[0].len(), 3 + 15 + 1 + 5);
-    assert_eq!(calls[0][18], [3, 3, 3, 3, 3]);
+    assert_eq!(calls[0][18], [0, 3, 3, 3, 3, 3]);
+    // A key in two decisions: the batch says so (the script then reads and
+    // writes it once).
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+    let answers = together(
+        [&sets[0], &sets[1], &sets[0]]
+            .iter()
+            .map(|c| store.acquire(c, None, 1, 1, 1_800_000_000_020))
+            .collect(),
+    )
+    .await;
+    let remaining: Vec<u64> = answers
+        .into_iter()
+        .map(|a| a.unwrap().states[0].remaining)
+        .collect();
+    assert_eq!(remaining, [7, 7, 6]);
+    let calls = slowlog(&redis);
+    assert_eq!(calls.len(), 1, "{} calls", calls.len());
+    assert_eq!(calls[0][3 + 9], [1, 3, 3, 3]);
 }
 
 #[tokio::test]

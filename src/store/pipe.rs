@@ -487,6 +487,9 @@ struct Gather {
     key_count: usize,
     sizes: Vec<u8>,
     args: Vec<u8>,
+    /// Hashes of the keys so far, until one comes twice: then `shared`.
+    seen: Vec<u64>,
+    shared: bool,
 }
 
 impl Gather {
@@ -500,6 +503,19 @@ impl Gather {
         for part in arg {
             self.args.extend_from_slice(part);
         }
+        // Whether a key is another decision's too (a decision's own keys
+        // differ): the script then keeps keys between decisions, which costs
+        // it more than it saves when none is shared.
+        let mut rest = keys;
+        while !self.shared
+            && let Some((key, after)) = next_bulk(rest)
+        {
+            use std::hash::BuildHasher;
+            let hash = foldhash::fast::FixedState::with_seed(0).hash_one(key);
+            self.shared = self.seen.contains(&hash);
+            self.seen.push(hash);
+            rest = after;
+        }
     }
 
     /// Writes the batch to `out` as one `EVALSHA` of the script `hash`, and
@@ -510,8 +526,9 @@ impl Gather {
         out.extend_from_slice(&head.0);
         out.extend_from_slice(&self.keys);
         out.push(b'$');
-        push_decimal(out, self.sizes.len());
+        push_decimal(out, 1 + self.sizes.len());
         out.extend_from_slice(b"\r\n");
+        out.push(u8::from(self.shared));
         out.extend_from_slice(&self.sizes);
         out.extend_from_slice(b"\r\n");
         out.extend_from_slice(&self.args);
@@ -520,7 +537,20 @@ impl Gather {
         self.keys.clear();
         self.sizes.clear();
         self.args.clear();
+        self.seen.clear();
+        self.shared = false;
     }
+}
+
+/// The first RESP bulk string of `bytes` (`$LEN\r\nBYTES\r\n`, as
+/// [`Command::arg`] writes it) and what follows it; `None` at the end.
+fn next_bulk(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let digits = bytes.strip_prefix(b"$")?;
+    let end = digits.iter().position(|&b| b == b'\r')?;
+    let len = number(&digits[..end])?;
+    let start = end + 2;
+    let stop = start.checked_add(usize::try_from(len).ok()?)?;
+    Some((digits.get(start..stop)?, digits.get(stop + 2..)?))
 }
 
 impl Link {
@@ -1134,6 +1164,56 @@ mod tests {
         assert!(parse(&nested(MAX_NESTING)).unwrap().is_some());
         assert!(parse(&nested(MAX_NESTING + 1)).is_err());
         assert!(parse(&nested(100_000)).is_err());
+    }
+
+    #[test]
+    fn a_batch_says_whether_a_key_is_in_two_decisions() {
+        let keys = |names: &[&[u8]]| {
+            let mut c = Command::new(0, 0);
+            c.0.clear();
+            for n in names {
+                c.arg(n);
+            }
+            c.0
+        };
+        // ARGV[1] of the batch's call: whether a key is in two decisions,
+        // then how many keys each has.
+        let flag = |decisions: &[&[&[u8]]]| {
+            let mut g = Gather::default();
+            for d in decisions {
+                g.add(&keys(d), d.len(), &[b"$1\r\nx\r\n"]);
+            }
+            let mut out = Vec::new();
+            g.close(&mut out, b"h");
+            // A command reads as an array of bulk strings.
+            let Ok(Some((Reply::Array(Some(args)), _))) = parse(&out) else {
+                panic!("{out:?}")
+            };
+            let key_count: usize = decisions.iter().map(|d| d.len()).sum();
+            assert_eq!(args.len(), 3 + key_count + 1 + decisions.len());
+            let Reply::Bulk(Some(argv1)) = &args[3 + key_count] else {
+                panic!("{args:?}")
+            };
+            (argv1[0], argv1[1..].to_vec())
+        };
+        assert_eq!(flag(&[&[b"a", b"a:log"], &[b"b"]]), (0, vec![2, 1]));
+        assert_eq!(flag(&[&[b"a", b"g"], &[b"b", b"g"]]), (1, vec![2, 2]));
+        assert_eq!(flag(&[&[b"a"], &[b"b"], &[b"a"]]), (1, vec![1, 1, 1]));
+        // Keys are read as the pipe writes them; anything else ends them.
+        assert_eq!(
+            next_bulk(b"$2\r\nab\r\n$1\r\nc\r\n"),
+            Some((&b"ab"[..], &b"$1\r\nc\r\n"[..]))
+        );
+        for bad in [
+            &b""[..],
+            b"$",
+            b"$x\r\n",
+            b"$5\r\nab\r\n",
+            b"$-1\r\n",
+            b"2\r\nab\r\n",
+        ] {
+            assert_eq!(next_bulk(bad), None, "{bad:?}");
+        }
     }
 
     #[test]
