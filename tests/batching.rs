@@ -14,7 +14,7 @@ use sluice::clock::Clock;
 use sluice::config::{Algorithm, Backend, ClockSource, OnError, StoreConfig};
 use sluice::store::redis::RedisStore;
 use sluice::store::{Counter, Memo, Outcome};
-use support::{RedisServer, Sluice, Upstream, get};
+use support::{RedisCluster, RedisServer, Sluice, Upstream, get};
 
 /// xorshift64*: reproducible sequences.
 struct Rng(u64);
@@ -29,10 +29,14 @@ impl Rng {
 }
 
 fn store(redis: &RedisServer, prefix: &str) -> RedisStore {
+    store_at(Some(redis.url()), Vec::new(), prefix)
+}
+
+fn store_at(url: Option<String>, cluster: Vec<String>, prefix: &str) -> RedisStore {
     RedisStore::new(&StoreConfig {
         backend: Backend::Redis,
-        url: Some(redis.url()),
-        cluster: Vec::new(),
+        url,
+        cluster,
         timeout: Duration::from_secs(2),
         ca: None,
         on_error: OnError::Deny,
@@ -594,4 +598,63 @@ policy = "p"
     // Fewer calls than decisions: what queued together went as one.
     let calls = redis.calls("evalsha");
     assert!(calls < 150, "{calls} calls for 150 decisions");
+}
+
+#[tokio::test]
+async fn on_a_cluster_what_queues_behind_a_decision_goes_as_one_call() {
+    let cluster = RedisCluster::start(3);
+    let batched = store_at(None, cluster.seeds(), "b:");
+    let single = store_at(None, cluster.seeds(), "s:");
+    let ids = ["a", "b", "c"];
+    let memos: [Memo; 3] = Default::default();
+    let mut rng = Rng(0x0c10_57e2);
+    let mut now = 1_800_000_000_123u64;
+    // Connected, and the scripts loaded on every master.
+    for store in [&batched, &single] {
+        store.preload().await;
+        for c in ids.iter().map(|id| counters(id)) {
+            store.acquire(&c, None, 1, 0, now).await.unwrap();
+        }
+    }
+    let calls = || {
+        cluster
+            .nodes
+            .iter()
+            .filter(|n| n.is_master())
+            .map(|n| n.calls("evalsha"))
+            .sum::<u64>()
+    };
+    let mut denied = 0;
+    for _ in 0..30 {
+        now += rng.below(900);
+        // One identity's decisions: the cluster decides an identity in its
+        // own slot, in the order they came.
+        let group: Vec<(usize, u64)> = (0..1 + rng.below(12))
+            .map(|_| (rng.below(3) as usize, 1 + rng.below(3)))
+            .collect();
+        let sets: Vec<Vec<Counter>> = group.iter().map(|&(w, _)| counters(ids[w])).collect();
+        let before = calls();
+        let answers = together(
+            group
+                .iter()
+                .zip(&sets)
+                .map(|(&(w, cost), c)| batched.acquire(c, Some(&memos[w]), cost, 1, now))
+                .collect(),
+        )
+        .await;
+        // Each identity's first goes at once; those behind it, as one call.
+        let mut seen = std::collections::HashMap::new();
+        group
+            .iter()
+            .for_each(|&(w, _)| *seen.entry(w).or_insert(0) += 1);
+        let want: u64 = seen.values().map(|&n| if n > 1 { 2 } else { 1 }).sum();
+        assert_eq!(calls() - before, want, "group {group:?}");
+        for ((&(_, cost), c), b) in group.iter().zip(&sets).zip(answers) {
+            let b = b.unwrap();
+            let s = single.acquire(c, None, cost, 1, now).await.unwrap();
+            assert_eq!((b.allowed, &b.states), (s.allowed, &s.states));
+            denied += usize::from(!b.allowed);
+        }
+    }
+    assert!(denied > 10, "{denied}");
 }
