@@ -4,10 +4,11 @@
 -- Not loaded as written: src/store/redis.rs puts acquire.lua's text in place
 -- of the `--@acquire.lua` line below, when sluice starts, so that this runs
 -- whatever acquire.lua is. The proxy sends the decisions that queued for its
--- Redis connection while it was writing (src/store/pipe.rs): one call instead
+-- Redis connection while it was writing (src/store/pipe.rs; on a cluster,
+-- those of one identity that queued behind one in flight): one call instead
 -- of one each saves Redis the per-call work (reading and parsing the
 -- command, setting up the script, the reply), reads TIME once, and reads and
--- writes a key once however many of the call's decisions use it.
+-- writes a key that several of the call's decisions use once.
 --
 -- KEYS     every decision's keys (as for acquire.lua), one decision after the
 --          other

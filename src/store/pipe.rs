@@ -3,18 +3,18 @@
 //!
 //! Every caller's command goes into one buffer of one connection; a writer task
 //! sends whatever gathered since its last write, and a reader task hands each
-//! reply to the caller waiting for it, in order (Redis answers in order).
-//!
-//! Decisions (calls of acquire.lua) that gather while the writer is busy are
-//! sent as one call of the batch script ([`Batching`]), whose answer is an
-//! array of theirs: Redis then parses, sets up and answers one script call
-//! for all of them, and reads each key once. A decision that finds nothing
-//! gathering is queued as it is, and goes out as such unless another joins
-//! it before the writer runs: nothing waits for company, so a lone request
-//! is not delayed. It
+//! reply to the caller waiting for it, in order (Redis answers in order). It
 //! stands in for redis-rs's multiplexed connection, which passes each command
 //! through a channel, a codec and a general parser: about 5,000 instructions a
 //! decision more. A cluster still goes through redis-rs.
+//!
+//! Decisions (calls of acquire.lua) that gather while the writer is busy are
+//! sent as one call of the batch script ([`Batching`]), whose answer is an
+//! array of theirs: Redis then reads, sets up and answers one call for all of
+//! them, and a key several of them share once. A decision that finds nothing
+//! gathering is queued as it is, and goes out as such unless another joins
+//! it before the writer runs: nothing waits for company, so a lone request
+//! is not delayed.
 //!
 //! The connection is made lazily, and again after any failure, by the first
 //! call that finds it down. One attempt runs at a time; the calls that waited
@@ -561,7 +561,9 @@ impl Link {
         let decision = match (what, &self.batching) {
             (Out::Decision(cmd, at, head), Some(_)) => cmd
                 .1
-                .filter(|script| script.count <= usize::from(u8::MAX))
+                .filter(|script| {
+                    script.count <= usize::from(u8::MAX) && (head.is_empty() || at >= script.arg)
+                })
                 .map(|script| (cmd, at, head, script)),
             _ => None,
         };
@@ -629,7 +631,8 @@ impl Link {
         script: Script,
     ) {
         let keys = &cmd.0[script.keys..script.arg];
-        // The argument, with `head` in it (`head` is within it, or empty).
+        // The argument, with `head` in it (`head` is within it, or empty:
+        // `Link::send` checked).
         let arg: [&[u8]; 3] = if head.is_empty() {
             [&cmd.0[script.arg..], &[], &[]]
         } else {
