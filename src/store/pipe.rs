@@ -8,6 +8,14 @@
 //! through a channel, a codec and a general parser: about 5,000 instructions a
 //! decision more. A cluster still goes through redis-rs.
 //!
+//! Decisions (calls of acquire.lua) that gather while the writer is busy are
+//! sent as one call of the batch script ([`Batching`]), whose answer is an
+//! array of theirs: Redis then reads, sets up and answers one call for all of
+//! them, and a key several of them share once. A decision that finds nothing
+//! gathering is queued as it is, and goes out as such unless another joins
+//! it before the writer runs: nothing waits for company, so a lone request
+//! is not delayed.
+//!
 //! The connection is made lazily, and again after any failure, by the first
 //! call that finds it down. One attempt runs at a time; the calls that waited
 //! for a failed one fail with it rather than each trying again (a burst of
@@ -61,7 +69,17 @@ pub enum Reply {
 
 /// A command in RESP: an array of bulk strings.
 #[derive(Debug, Clone)]
-pub struct Command(Vec<u8>);
+pub struct Command(Vec<u8>, Option<Script>);
+
+/// Where a script call's keys and its one argument are in its command (the
+/// offsets of their first `$`), and how many keys it has: what a batch takes
+/// from it.
+#[derive(Debug, Clone, Copy)]
+struct Script {
+    keys: usize,
+    arg: usize,
+    count: usize,
+}
 
 impl Command {
     /// A command of `args` arguments (the command's name included), sized for
@@ -71,7 +89,32 @@ impl Command {
         out.push(b'*');
         push_decimal(&mut out, args);
         out.extend_from_slice(b"\r\n");
-        Command(out)
+        Command(out, None)
+    }
+
+    /// `EVALSHA` (or `EVAL`) of a script, by hash (or text), over `keys` and
+    /// `args`.
+    pub fn script(verb: &[u8], script: &[u8], keys: &[Vec<u8>], args: &[&[u8]]) -> Command {
+        let bytes =
+            keys.iter().map(Vec::len).sum::<usize>() + args.iter().map(|a| a.len()).sum::<usize>();
+        let mut cmd = Command::new(3 + keys.len() + args.len(), script.len() + bytes);
+        cmd.arg(verb).arg(script).arg_number(keys.len());
+        let at = cmd.0.len();
+        for k in keys {
+            cmd.arg(k);
+        }
+        let arg = cmd.0.len();
+        for a in args {
+            cmd.arg(a);
+        }
+        if let [_] = args {
+            cmd.1 = Some(Script {
+                keys: at,
+                arg,
+                count: keys.len(),
+            });
+        }
+        cmd
     }
 
     pub fn arg(&mut self, arg: &[u8]) -> &mut Command {
@@ -208,11 +251,25 @@ fn tls_connector(ca: Option<&[u8]>) -> Result<tokio_rustls::TlsConnector, String
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
 
+/// A script whose calls may go to Redis together, as one call of another
+/// (`lua/batch.lua` for `lua/acquire.lua`): the other's hash and text.
+pub struct Batching {
+    /// SHA1 of `text`, in hex.
+    pub hash: String,
+    /// Loaded again when Redis has lost it (a restart, `SCRIPT FLUSH`).
+    pub text: String,
+}
+
+/// Decisions in one batch, at most: a script runs alone in Redis, and
+/// a longer one would hold up other clients' commands.
+const MAX_BATCH: usize = 128;
+
 /// The connection to one server, shared by every call.
 pub struct Pipe {
     target: Target,
     /// Bounds connecting, TLS and the handshake.
     connect_timeout: Duration,
+    batching: Option<Arc<Batching>>,
     link: Mutex<Option<Arc<Link>>>,
     /// Held while connecting; why the last attempt failed.
     connecting: tokio::sync::Mutex<String>,
@@ -221,10 +278,11 @@ pub struct Pipe {
 }
 
 impl Pipe {
-    pub fn new(target: Target, connect_timeout: Duration) -> Pipe {
+    pub fn new(target: Target, connect_timeout: Duration, batching: Option<Batching>) -> Pipe {
         Pipe {
             target,
             connect_timeout,
+            batching: batching.map(Arc::new),
             link: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(String::new()),
             attempts: AtomicU64::new(0),
@@ -244,7 +302,26 @@ impl Pipe {
         parts: &[&[u8]],
         deadline: Instant,
     ) -> Result<Reply, StoreError> {
-        if let Some(sent) = self.send_now(parts, deadline) {
+        self.call_out(Out::Parts(parts), deadline).await
+    }
+
+    /// [`Pipe::call`] of a decision: `cmd`, a call of the batched script
+    /// made by [`Command::script`], with its bytes from `at` replaced by
+    /// `head` (as [`Command::with`]). Decisions that gather while the
+    /// connection is busy writing go to Redis as one call of the batch
+    /// script; a lone one goes as it is.
+    pub async fn call_decision(
+        &self,
+        cmd: &Command,
+        at: usize,
+        head: &[u8],
+        deadline: Instant,
+    ) -> Result<Reply, StoreError> {
+        self.call_out(Out::Decision(cmd, at, head), deadline).await
+    }
+
+    async fn call_out(&self, out: Out<'_>, deadline: Instant) -> Result<Reply, StoreError> {
+        if let Some(sent) = self.queue_now(out, deadline) {
             return sent?.await;
         }
         // Connecting (rare) is bounded by a timer of its own. Boxed: its
@@ -257,24 +334,31 @@ impl Pipe {
                 .map_err(StoreError::Unavailable)
         })
         .await?;
-        link.send(parts, deadline)?.await
+        link.send(out, deadline)?.await
     }
 
-    /// Queues a command on the live connection and returns its reply to
-    /// come, without waiting: the usual decision's future then holds only
-    /// that. `None` when no connection is live (the caller goes through
-    /// [`Pipe::call_parts`], which connects).
-    pub fn send_now(
+    /// Queues a decision (as [`Pipe::call_decision`]) on the live
+    /// connection and returns its reply to come, without waiting: the usual
+    /// decision's future then holds only that. `None` when no connection is
+    /// live (the caller goes through [`Pipe::call_decision`], which
+    /// connects).
+    pub fn send_decision(
         &self,
-        parts: &[&[u8]],
+        cmd: &Command,
+        at: usize,
+        head: &[u8],
         deadline: Instant,
     ) -> Option<Result<Pending, StoreError>> {
+        self.queue_now(Out::Decision(cmd, at, head), deadline)
+    }
+
+    fn queue_now(&self, out: Out<'_>, deadline: Instant) -> Option<Result<Pending, StoreError>> {
         // Sent under the lock rather than with a clone of the link: two
         // atomic operations fewer on every decision.
         let link = self.link.lock().unwrap_or_else(|e| e.into_inner());
         link.as_ref()
             .filter(|l| !l.broken.load(Ordering::Acquire))
-            .map(|l| l.send(parts, deadline))
+            .map(|l| l.send(out, deadline))
     }
 
     fn current(&self) -> Option<Arc<Link>> {
@@ -299,8 +383,11 @@ impl Pipe {
         }
         // Boxed: connecting is rare, and its (TLS) state would otherwise
         // make every call's future, and every decision's, larger.
-        let attempt =
-            tokio::time::timeout(self.connect_timeout, Box::pin(connect(&self.target))).await;
+        let attempt = tokio::time::timeout(
+            self.connect_timeout,
+            Box::pin(connect(&self.target, self.batching.clone())),
+        )
+        .await;
         self.attempts.fetch_add(1, Ordering::AcqRel);
         match attempt {
             Ok(Ok(link)) => {
@@ -341,6 +428,15 @@ impl std::future::Future for Pending {
     }
 }
 
+/// What a call sends.
+#[derive(Clone, Copy)]
+enum Out<'a> {
+    /// A command, as the concatenation of these.
+    Parts(&'a [&'a [u8]]),
+    /// A decision, as [`Pipe::call_decision`] takes it.
+    Decision(&'a Command, usize, &'a [u8]),
+}
+
 /// A call waiting for its reply.
 struct Waiting {
     deadline: Instant,
@@ -351,6 +447,7 @@ struct Waiting {
 /// One live connection: its outgoing bytes and the calls waiting, in order.
 struct Link {
     state: Mutex<LinkState>,
+    batching: Option<Arc<Batching>>,
     broken: AtomicBool,
     /// Wakes the writer when bytes are waiting (or the link broke).
     wake: Notify,
@@ -362,7 +459,16 @@ struct Link {
 
 struct LinkState {
     out: Vec<u8>,
+    /// The decision queued last while it is unsent and last in `out`: where
+    /// its command starts there, and its layout. A next decision makes the
+    /// two a batch.
+    lone: Option<(usize, Script)>,
+    /// The batch being gathered (after everything in `out`), if any.
+    batch: Gather,
     waiting: VecDeque<Waiting>,
+    /// How many of `waiting` each reply to come answers, in order: 1, or a
+    /// batch's size (its reply is an array of their answers).
+    replies: VecDeque<usize>,
     /// How many calls at the front of `waiting` have timed out: the watchdog
     /// looks past them.
     timed_out: usize,
@@ -372,8 +478,95 @@ struct LinkState {
     error: Option<String>,
 }
 
+/// Decisions gathered into one call of the batch script: their keys and
+/// arguments (as RESP bulk strings), and how many keys each has.
+#[derive(Default)]
+struct Gather {
+    count: usize,
+    keys: Vec<u8>,
+    key_count: usize,
+    sizes: Vec<u8>,
+    args: Vec<u8>,
+    /// Hashes of the keys so far, until one comes twice: then `shared`.
+    seen: Vec<u64>,
+    shared: bool,
+}
+
+impl Gather {
+    /// Adds a decision: `keys` and `arg` as they are in its command.
+    fn add(&mut self, keys: &[u8], key_count: usize, arg: &[&[u8]]) {
+        self.count += 1;
+        self.keys.extend_from_slice(keys);
+        self.key_count += key_count;
+        // (At most 255: see `Link::send`.)
+        self.sizes.push(key_count as u8);
+        for part in arg {
+            self.args.extend_from_slice(part);
+        }
+        // Whether a key is another decision's too (a decision's own keys
+        // differ): the script then keeps keys between decisions, which costs
+        // it more than it saves when none is shared.
+        let mut rest = keys;
+        while !self.shared
+            && let Some((key, after)) = next_bulk(rest)
+        {
+            use std::hash::BuildHasher;
+            let hash = foldhash::fast::FixedState::with_seed(0).hash_one(key);
+            self.shared = self.seen.contains(&hash);
+            self.seen.push(hash);
+            rest = after;
+        }
+    }
+
+    /// Writes the batch to `out` as one `EVALSHA` of the script `hash`, and
+    /// empties it.
+    fn close(&mut self, out: &mut Vec<u8>, hash: &[u8]) {
+        let mut head = Command::new(3 + self.key_count + 1 + self.count, hash.len());
+        head.arg(b"EVALSHA").arg(hash).arg_number(self.key_count);
+        out.extend_from_slice(&head.0);
+        out.extend_from_slice(&self.keys);
+        out.push(b'$');
+        push_decimal(out, 1 + self.sizes.len());
+        out.extend_from_slice(b"\r\n");
+        out.push(u8::from(self.shared));
+        out.extend_from_slice(&self.sizes);
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(&self.args);
+        self.count = 0;
+        self.key_count = 0;
+        self.keys.clear();
+        self.sizes.clear();
+        self.args.clear();
+        self.seen.clear();
+        self.shared = false;
+    }
+}
+
+/// The first RESP bulk string of `bytes` (`$LEN\r\nBYTES\r\n`, as
+/// [`Command::arg`] writes it) and what follows it; `None` at the end.
+fn next_bulk(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let digits = bytes.strip_prefix(b"$")?;
+    let end = digits.iter().position(|&b| b == b'\r')?;
+    let len = number(&digits[..end])?;
+    let start = end + 2;
+    let stop = start.checked_add(usize::try_from(len).ok()?)?;
+    Some((digits.get(start..stop)?, digits.get(stop + 2..)?))
+}
+
 impl Link {
-    fn send(&self, parts: &[&[u8]], deadline: Instant) -> Result<Pending, StoreError> {
+    fn send(&self, what: Out<'_>, deadline: Instant) -> Result<Pending, StoreError> {
+        // A decision may join others when batching is on and its command
+        // says where its keys and argument are; any other command is sent
+        // as it is.
+        let decision = match (what, &self.batching) {
+            (Out::Decision(cmd, at, head), Some(_)) => cmd
+                .1
+                .filter(|script| {
+                    script.count <= usize::from(u8::MAX) && (head.is_empty() || at >= script.arg)
+                })
+                .map(|script| (cmd, at, head, script)),
+            _ => None,
+        };
         let (tx, rx) = oneshot::channel();
         let (was_empty, sooner) = {
             let mut s = self.lock();
@@ -394,9 +587,25 @@ impl Link {
             if sooner {
                 s.alarm = Some(deadline);
             }
-            let was_empty = s.out.is_empty();
-            for part in parts {
-                s.out.extend_from_slice(part);
+            let was_empty = s.out.is_empty() && s.batch.count == 0;
+            match decision {
+                Some((cmd, at, head, script)) => self.queue_decision(&mut s, cmd, at, head, script),
+                None => {
+                    self.close(&mut s);
+                    match what {
+                        Out::Parts(parts) => {
+                            for part in parts {
+                                s.out.extend_from_slice(part);
+                            }
+                        }
+                        Out::Decision(cmd, at, head) => {
+                            for part in cmd.with(at, head) {
+                                s.out.extend_from_slice(part);
+                            }
+                        }
+                    }
+                    s.replies.push_back(1);
+                }
             }
             (was_empty, sooner)
         };
@@ -410,27 +619,119 @@ impl Link {
         Ok(Pending(rx))
     }
 
+    /// Queues a decision: as it is when nothing is gathering (a lone
+    /// decision goes out as soon as the writer runs, unchanged), else into
+    /// the batch, which the decision queued last (still unsent) starts.
+    fn queue_decision(
+        &self,
+        s: &mut LinkState,
+        cmd: &Command,
+        at: usize,
+        head: &[u8],
+        script: Script,
+    ) {
+        let keys = &cmd.0[script.keys..script.arg];
+        // The argument, with `head` in it (`head` is within it, or empty:
+        // `Link::send` checked).
+        let arg: [&[u8]; 3] = if head.is_empty() {
+            [&cmd.0[script.arg..], &[], &[]]
+        } else {
+            [&cmd.0[script.arg..at], head, &cmd.0[at + head.len()..]]
+        };
+        if s.batch.count == 0 {
+            let Some((start, lone)) = s.lone.take() else {
+                s.lone = Some((s.out.len(), script));
+                for part in cmd.with(at, head) {
+                    s.out.extend_from_slice(part);
+                }
+                s.replies.push_back(1);
+                return;
+            };
+            // The lone decision, still unsent, leaves `out` for the batch.
+            let (from, to) = (start + lone.keys, start + lone.arg);
+            s.batch.add(&s.out[from..to], lone.count, &[&s.out[to..]]);
+            s.out.truncate(start);
+        }
+        s.batch.add(keys, script.count, &arg);
+        if let Some(last) = s.replies.back_mut() {
+            *last += 1;
+        }
+        if s.batch.count == MAX_BATCH {
+            self.close(s);
+        }
+    }
+
+    /// Ends the batch being gathered, if any: it goes after what is in
+    /// `out`, and no later decision joins it or the lone one.
+    fn close(&self, s: &mut LinkState) {
+        s.lone = None;
+        if s.batch.count > 0
+            && let Some(batching) = &self.batching
+        {
+            s.batch.close(&mut s.out, batching.hash.as_bytes());
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, LinkState> {
         // Nothing is left half-done under this lock: a poisoned one is usable.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Hands `reply` to the oldest waiting call (which may have given up, or
-    /// timed out).
-    fn deliver(&self, reply: Reply) -> Result<(), String> {
-        let waiting = {
+    /// Hands `reply` to the oldest waiting call, or to the calls of the
+    /// oldest batch each its answer (any of which may have given up, or
+    /// timed out). `done` is room for them, kept from reply to reply.
+    fn deliver(&self, reply: Reply, done: &mut Vec<Waiting>) -> Result<(), String> {
+        let count = {
             let mut s = self.lock();
-            s.timed_out = s.timed_out.saturating_sub(1);
-            s.waiting.pop_front()
-        };
-        match waiting {
-            Some(w) => {
-                if let Some(tx) = w.reply {
-                    let _ = tx.send(Ok(reply));
-                }
-                Ok(())
+            let count = s.replies.pop_front().unwrap_or(1);
+            if s.waiting.len() < count {
+                return Err("Redis sent a reply nobody asked for".into());
             }
-            None => Err("Redis sent a reply nobody asked for".into()),
+            s.timed_out = s.timed_out.saturating_sub(count);
+            done.extend(s.waiting.drain(..count));
+            count
+        };
+        if count == 1 {
+            if let Some(tx) = done.pop().and_then(|w| w.reply) {
+                let _ = tx.send(Ok(reply));
+            }
+            return Ok(());
+        }
+        let lost = is_noscript(&reply);
+        match reply {
+            Reply::Array(Some(answers)) if answers.len() == count => {
+                for (w, answer) in done.drain(..).zip(answers) {
+                    if let Some(tx) = w.reply {
+                        let _ = tx.send(Ok(answer));
+                    }
+                }
+            }
+            // An error for the whole call (NOSCRIPT, BUSY, OOM) is each
+            // decision's.
+            other => {
+                for w in done.drain(..) {
+                    if let Some(tx) = w.reply {
+                        let _ = tx.send(Ok(other.clone()));
+                    }
+                }
+            }
+        }
+        // Its decisions are made again with acquire.lua's text (see
+        // `redis.rs`); the batch script is loaded again for the next batches.
+        if lost {
+            self.load_batch_script();
+        }
+        Ok(())
+    }
+
+    /// Queues `SCRIPT LOAD` of the batch script, whose reply no one waits
+    /// for: a new connection does it first, so that Redis has the script
+    /// for any batch (even one whose calls time out, and so cannot fall
+    /// back on acquire.lua's text), and again after a batch met `NOSCRIPT`.
+    fn load_batch_script(&self) {
+        if let Some(batching) = &self.batching {
+            let load = Command::of(&[b"SCRIPT", b"LOAD", batching.text.as_bytes()]);
+            let _ = self.send(Out::Parts(&[&load.0]), Instant::now() + GIVE_UP);
         }
     }
 
@@ -480,6 +781,7 @@ impl Link {
             if s.error.is_none() {
                 s.error = Some(error.clone());
             }
+            s.replies.clear();
             std::mem::take(&mut s.waiting)
         };
         for tx in waiting.into_iter().filter_map(|w| w.reply) {
@@ -493,7 +795,7 @@ impl Link {
     }
 }
 
-async fn connect(t: &Target) -> Result<Arc<Link>, String> {
+async fn connect(t: &Target, batching: Option<Arc<Batching>>) -> Result<Arc<Link>, String> {
     let unreachable =
         |e: std::io::Error| format!("cannot connect to Redis at {}:{}: {e}", t.host, t.port);
     let tcp = TcpStream::connect((t.host.as_str(), t.port))
@@ -503,7 +805,7 @@ async fn connect(t: &Target) -> Result<Arc<Link>, String> {
     match &t.tls {
         None => {
             let (r, w) = tcp.into_split();
-            start(r, w, t).await
+            start(r, w, t, batching).await
         }
         Some((tls, name)) => {
             let stream = tls
@@ -511,13 +813,18 @@ async fn connect(t: &Target) -> Result<Arc<Link>, String> {
                 .await
                 .map_err(|e| format!("TLS with Redis at {}:{} failed: {e}", t.host, t.port))?;
             let (r, w) = tokio::io::split(stream);
-            start(r, w, t).await
+            start(r, w, t, batching).await
         }
     }
 }
 
 /// Authenticates and selects the database, then starts the link's tasks.
-async fn start<R, W>(mut r: R, mut w: W, t: &Target) -> Result<Arc<Link>, String>
+async fn start<R, W>(
+    mut r: R,
+    mut w: W,
+    t: &Target,
+    batching: Option<Arc<Batching>>,
+) -> Result<Arc<Link>, String>
 where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -563,16 +870,21 @@ where
     let link = Arc::new(Link {
         state: Mutex::new(LinkState {
             out: Vec::new(),
+            lone: None,
+            batch: Gather::default(),
             waiting: VecDeque::new(),
+            replies: VecDeque::new(),
             timed_out: 0,
             alarm: None,
             error: None,
         }),
+        batching,
         broken: AtomicBool::new(false),
         wake: Notify::new(),
         watch: Notify::new(),
         reader: OnceLock::new(),
     });
+    link.load_batch_script();
     tokio::spawn(write_loop(link.clone(), w));
     tokio::spawn(watch_loop(link.clone()));
     let reader = tokio::spawn(read_loop(link.clone(), r, buf));
@@ -599,6 +911,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(link: Arc<Link>, mut w: W) {
             if s.error.is_some() {
                 return;
             }
+            link.close(&mut s);
             std::mem::swap(&mut s.out, &mut sending);
         }
         if sending.is_empty() {
@@ -637,6 +950,7 @@ async fn watch_loop(link: Arc<Link>) {
 }
 
 async fn read_loop<R: AsyncRead + Unpin>(link: Arc<Link>, mut r: R, mut buf: Vec<u8>) {
+    let mut done = Vec::new();
     let error = loop {
         let mut at = 0;
         let parsed = loop {
@@ -650,7 +964,7 @@ async fn read_loop<R: AsyncRead + Unpin>(link: Arc<Link>, mut r: R, mut buf: Vec
                             "Redis is a replica now ({refusal}); connecting again"
                         ));
                     }
-                    if let Err(e) = link.deliver(reply) {
+                    if let Err(e) = link.deliver(reply, &mut done) {
                         break Err(e);
                     }
                 }
@@ -675,12 +989,21 @@ async fn read_loop<R: AsyncRead + Unpin>(link: Arc<Link>, mut r: R, mut buf: Vec
 }
 
 /// The refusal of a server that became a replica: `READONLY`, or before Redis
-/// 7 a script error that carries it.
+/// 7 a script error that carries it; in a batch's answer, any decision's.
 fn demoted(reply: &Reply) -> Option<&str> {
     match reply {
         Reply::Error(e) if e.starts_with("READONLY") || e.contains("-READONLY") => Some(e),
+        Reply::Array(Some(answers)) => answers.iter().find_map(|a| match a {
+            Reply::Error(_) => demoted(a),
+            _ => None,
+        }),
         _ => None,
     }
+}
+
+/// Whether Redis answered that it does not have the script called.
+pub fn is_noscript(reply: &Reply) -> bool {
+    matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
 }
 
 /// One reply from the front of `buf` and its length, or `None` when it is not
@@ -844,6 +1167,56 @@ mod tests {
         assert!(parse(&nested(MAX_NESTING)).unwrap().is_some());
         assert!(parse(&nested(MAX_NESTING + 1)).is_err());
         assert!(parse(&nested(100_000)).is_err());
+    }
+
+    #[test]
+    fn a_batch_says_whether_a_key_is_in_two_decisions() {
+        let keys = |names: &[&[u8]]| {
+            let mut c = Command::new(0, 0);
+            c.0.clear();
+            for n in names {
+                c.arg(n);
+            }
+            c.0
+        };
+        // ARGV[1] of the batch's call: whether a key is in two decisions,
+        // then how many keys each has.
+        let flag = |decisions: &[&[&[u8]]]| {
+            let mut g = Gather::default();
+            for d in decisions {
+                g.add(&keys(d), d.len(), &[b"$1\r\nx\r\n"]);
+            }
+            let mut out = Vec::new();
+            g.close(&mut out, b"h");
+            // A command reads as an array of bulk strings.
+            let Ok(Some((Reply::Array(Some(args)), _))) = parse(&out) else {
+                panic!("{out:?}")
+            };
+            let key_count: usize = decisions.iter().map(|d| d.len()).sum();
+            assert_eq!(args.len(), 3 + key_count + 1 + decisions.len());
+            let Reply::Bulk(Some(argv1)) = &args[3 + key_count] else {
+                panic!("{args:?}")
+            };
+            (argv1[0], argv1[1..].to_vec())
+        };
+        assert_eq!(flag(&[&[b"a", b"a:log"], &[b"b"]]), (0, vec![2, 1]));
+        assert_eq!(flag(&[&[b"a", b"g"], &[b"b", b"g"]]), (1, vec![2, 2]));
+        assert_eq!(flag(&[&[b"a"], &[b"b"], &[b"a"]]), (1, vec![1, 1, 1]));
+        // Keys are read as the pipe writes them; anything else ends them.
+        assert_eq!(
+            next_bulk(b"$2\r\nab\r\n$1\r\nc\r\n"),
+            Some((&b"ab"[..], &b"$1\r\nc\r\n"[..]))
+        );
+        for bad in [
+            &b""[..],
+            b"$",
+            b"$x\r\n",
+            b"$5\r\nab\r\n",
+            b"$-1\r\n",
+            b"2\r\nab\r\n",
+        ] {
+            assert_eq!(next_bulk(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

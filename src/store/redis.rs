@@ -9,7 +9,10 @@
 //!
 //! A single server is reached through `pipe.rs`: one pipelined connection for
 //! every call, made lazily (so sluice starts while Redis is down) and again by
-//! the first call after a failure. With `store.cluster` it is the redis crate's
+//! the first call after a failure. Decisions that queue on it together go to
+//! Redis as one call of `lua/batch.lua`, which runs acquire.lua for each in
+//! turn (each still atomic, and answered as on its own); a lone one goes as
+//! it is. With `store.cluster` it is the redis crate's
 //! cluster client, also connected lazily, which follows slot moves and
 //! failovers. Every call is bounded by `store.timeout`.
 //!
@@ -27,6 +30,7 @@
 //! if a later slot rejects, the reservations already taken are refunded, so
 //! nothing is over-charged.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -34,9 +38,10 @@ use std::time::Duration;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::pipe::{Command, Pending, Pipe, Reply, Target};
+use super::pipe::{Batching, Command, Pending, Pipe, Reply, Target, is_noscript};
 use super::{Counter, CounterState, GIVE_UP, Memo, Outcome, PerCounter, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
@@ -44,6 +49,13 @@ static ACQUIRE: &str = include_str!("../../lua/acquire.lua");
 static REFUND: &str = include_str!("../../lua/refund.lua");
 static PLAN: &str = include_str!("../../lua/plan.lua");
 static LEASE: &str = include_str!("../../lua/lease.lua");
+static BATCH: &str = include_str!("../../lua/batch.lua");
+
+/// lua/batch.lua with acquire.lua's text in it: made when sluice starts, so
+/// that it is whatever acquire.lua the binary holds.
+fn batch_text() -> String {
+    BATCH.replacen("--@acquire.lua\n", &format!("{ACQUIRE}\n"), 1)
+}
 
 // One per process: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
@@ -62,7 +74,18 @@ struct Cluster {
     stall: Mutex<Option<(Instant, Instant)>>,
     /// Whether a replacement connection is being made.
     replacing: Arc<AtomicBool>,
+    /// By hash tag, while a decision of it is in flight: the decisions that
+    /// queued behind it, to go as one call when it is answered.
+    behind: Mutex<HashMap<Vec<u8>, Vec<Queued>>>,
 }
+
+/// A decision waiting behind another of its hash tag: its keys, its
+/// argument, and where its answer goes.
+type Queued = (
+    Vec<Vec<u8>>,
+    Vec<u8>,
+    oneshot::Sender<Result<Reply, StoreError>>,
+);
 
 impl Cluster {
     fn new(client: ClusterClient) -> Cluster {
@@ -72,6 +95,7 @@ impl Cluster {
             connecting: tokio::sync::Mutex::new(()),
             stall: Mutex::new(None),
             replacing: Arc::new(AtomicBool::new(false)),
+            behind: Mutex::new(HashMap::new()),
         }
     }
 
@@ -165,6 +189,9 @@ pub struct Inner {
     acquire: Script,
     refund: Script,
     plan: Script,
+    /// lua/batch.lua around acquire.lua, for a cluster (a single server's
+    /// connection has its own, see `pipe.rs`).
+    batch: Script,
     lease: Script,
     prefix: String,
     timeout: Duration,
@@ -192,7 +219,12 @@ impl RedisStore {
             Some(url) => {
                 let target =
                     Target::from_url(url, ca.as_deref()).map_err(StoreError::Unavailable)?;
-                Conn::Single(Pipe::new(target, config.timeout))
+                let text = batch_text();
+                let batching = Batching {
+                    hash: Script::new(&text).get_hash().to_string(),
+                    text,
+                };
+                Conn::Single(Pipe::new(target, config.timeout, Some(batching)))
             }
             None => {
                 let mut builder = ClusterClient::builder(config.cluster.iter().map(String::as_str));
@@ -215,6 +247,7 @@ impl RedisStore {
             acquire: Script::new(ACQUIRE),
             refund: Script::new(REFUND),
             plan: Script::new(PLAN),
+            batch: Script::new(&batch_text()),
             lease: Script::new(LEASE),
             prefix: config.prefix.clone(),
             timeout: config.timeout,
@@ -223,10 +256,17 @@ impl RedisStore {
         })))
     }
 
-    /// Loads both scripts, so the first requests do not meet `NOSCRIPT`. If
+    /// Loads the scripts, so the first requests do not meet `NOSCRIPT`. If
     /// Redis is down this fails quietly: each call loads on demand anyway.
+    /// (A single server's connection loads the batch script itself too, see
+    /// `pipe.rs`.)
     pub async fn preload(&self) {
-        for (script, text) in [(&self.acquire, ACQUIRE), (&self.refund, REFUND)] {
+        let batch = batch_text();
+        for (script, text) in [
+            (&self.acquire, ACQUIRE),
+            (&self.refund, REFUND),
+            (&self.batch, batch.as_str()),
+        ] {
             let load = async {
                 match &self.conn {
                     Conn::Single(pipe) => match pipe
@@ -387,26 +427,112 @@ impl RedisStore {
             Conn::Single(pipe) => {
                 let evalsha = script_command(b"EVALSHA", script.get_hash().as_bytes(), keys, args);
                 let eval = || Ok(script_command(b"EVAL", text.as_bytes(), keys, args));
+                // acquire.lua's calls may share one with others.
+                if std::ptr::eq(script, &self.acquire) {
+                    return run_decision(pipe, (&evalsha, 0, &[]), eval, deadline).await;
+                }
                 run_script(pipe, &[evalsha.bytes()], eval, deadline).await
             }
-            Conn::Cluster(cluster) => {
-                // Boxed: a cluster call's state (the invocation, the redis
-                // crate's future, a timer) is large, and every decision's
-                // future would otherwise carry it and move it.
-                let call = async {
-                    let mut inv = script.prepare_invoke();
-                    keys.iter().for_each(|k| {
-                        inv.key(&k[..]);
-                    });
-                    args.iter().for_each(|a| {
-                        inv.arg(*a);
-                    });
-                    let mut conn = cluster.connection().await?;
-                    let value: redis::Value = inv.invoke_async(&mut conn).await?;
-                    Ok(reply_of(value))
-                };
-                Box::pin(cluster.within(deadline, call)).await
+            Conn::Cluster(cluster) => match args {
+                [arg] if std::ptr::eq(script, &self.acquire) && !keys.is_empty() => {
+                    Box::pin(self.cluster_decision(cluster, keys, arg, deadline)).await
+                }
+                _ => Box::pin(cluster_call(cluster, script, keys, args, deadline)).await,
+            },
+        }
+    }
+
+    /// An acquire.lua call on a cluster (all `keys` of one hash tag, so one
+    /// slot). While another decision of the tag is in flight it waits behind
+    /// it, and those that waited go as one call of the batch script once it
+    /// is answered: what queues behind a call is batched, a lone decision
+    /// goes at once.
+    async fn cluster_decision(
+        &self,
+        cluster: &Cluster,
+        keys: &[Vec<u8>],
+        arg: &[u8],
+        deadline: Instant,
+    ) -> Result<Reply, StoreError> {
+        let tag = hash_tag(&keys[0]).to_vec();
+        let queued = {
+            let mut behind = cluster.behind.lock().unwrap_or_else(|e| e.into_inner());
+            match behind.get_mut(&tag) {
+                Some(queue) if queue.len() < 128 => {
+                    let (tx, rx) = oneshot::channel();
+                    queue.push((keys.to_vec(), arg.to_vec(), tx));
+                    Some(Some(rx))
+                }
+                // (Enough wait already: this one goes on its own.)
+                Some(_) => Some(None),
+                None => {
+                    behind.insert(tag.clone(), Vec::new());
+                    None
+                }
             }
+        };
+        match queued {
+            Some(Some(answer)) => match tokio::time::timeout_at(deadline, answer).await {
+                Ok(Ok(reply)) => checked(reply),
+                Ok(Err(_)) => Err(StoreError::Unavailable("a batched call was dropped".into())),
+                Err(_) => Err(StoreError::Timeout),
+            },
+            Some(None) => cluster_call(cluster, &self.acquire, keys, &[arg], deadline).await,
+            None => {
+                let _next = Behind {
+                    store: self.clone(),
+                    tag,
+                };
+                cluster_call(cluster, &self.acquire, keys, &[arg], deadline).await
+            }
+        }
+    }
+
+    /// Sends `queued` (decisions of one hash tag) as one call: acquire.lua's
+    /// own for one, else the batch script's; each gets its answer.
+    async fn send_queued(&self, cluster: &Cluster, queued: Vec<Queued>) {
+        let deadline = Instant::now() + self.timeout;
+        let (mut keys, mut args, mut answers) = (Vec::new(), vec![Vec::new()], Vec::new());
+        // Whether a key is more than one decision's: of one tag, they are
+        // (as lua/batch.lua's first byte says, see `pipe.rs`).
+        args[0].push(1);
+        for (k, arg, answer) in queued {
+            args[0].push(k.len().min(255) as u8);
+            keys.extend(k);
+            args.push(arg);
+            answers.push(answer);
+        }
+        let reply = if answers.len() == 1 {
+            let arg: Vec<&[u8]> = args[1..].iter().map(Vec::as_slice).collect();
+            cluster_call(cluster, &self.acquire, &keys, &arg, deadline).await
+        } else {
+            let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+            cluster_call(cluster, &self.batch, &keys, &args, deadline).await
+        };
+        let error = match reply {
+            Ok(Reply::Array(Some(each))) if answers.len() > 1 && each.len() == answers.len() => {
+                for (answer, reply) in answers.into_iter().zip(each) {
+                    let _ = answer.send(Ok(reply));
+                }
+                return;
+            }
+            Ok(reply) if answers.len() == 1 => {
+                if let Some(answer) = answers.pop() {
+                    let _ = answer.send(Ok(reply));
+                }
+                return;
+            }
+            Ok(reply) => format!("the batch script answered {reply:?}"),
+            Err(StoreError::Unavailable(e)) => e,
+            Err(StoreError::Timeout) => {
+                for answer in answers {
+                    let _ = answer.send(Err(StoreError::Timeout));
+                }
+                return;
+            }
+        };
+        for answer in answers {
+            let _ = answer.send(Err(StoreError::Unavailable(error.clone())));
         }
     }
 
@@ -463,7 +589,7 @@ impl RedisStore {
         };
         let (template, at) = memo?.0.get()?;
         let head = self.head(mode, now_ms, cost);
-        Some((pipe, pipe.send_now(&template.with(*at, &head), deadline)?))
+        Some((pipe, pipe.send_decision(template, *at, &head, deadline)?))
     }
 
     fn eval_command(&self, counters: &[Counter], head: &[u8; HEAD]) -> Result<Command, StoreError> {
@@ -663,9 +789,8 @@ impl RedisStore {
                 memo.0.get_or_init(|| (cmd, at))
             }
         };
-        let evalsha = template.with(*at, head);
         let eval = || self.eval_command(counters, head);
-        run_script(pipe, &evalsha, eval, deadline).await
+        run_decision(pipe, (template, *at, head), eval, deadline).await
     }
 
     pub async fn refund(
@@ -809,6 +934,73 @@ impl RedisStore {
     }
 }
 
+/// A script's call on a cluster, by `deadline`. An error reply is an error.
+async fn cluster_call(
+    cluster: &Cluster,
+    script: &Script,
+    keys: &[Vec<u8>],
+    args: &[&[u8]],
+    deadline: Instant,
+) -> Result<Reply, StoreError> {
+    let call = async {
+        let mut inv = script.prepare_invoke();
+        keys.iter().for_each(|k| {
+            inv.key(&k[..]);
+        });
+        args.iter().for_each(|a| {
+            inv.arg(*a);
+        });
+        let mut conn = cluster.connection().await?;
+        let value: redis::Value = inv.invoke_async(&mut conn).await?;
+        Ok(reply_of(value))
+    };
+    cluster.within(deadline, call).await
+}
+
+/// Held by the decision in flight for a hash tag on a cluster. When it ends
+/// (answered, or dropped with its request), the decisions that queued behind
+/// it go as one call, in a task of their own, which holds this in turn; with
+/// none, the tag has no decision in flight any more.
+struct Behind {
+    store: RedisStore,
+    tag: Vec<u8>,
+}
+
+impl Drop for Behind {
+    fn drop(&mut self) {
+        let Conn::Cluster(cluster) = &self.store.conn else {
+            return;
+        };
+        let queued = {
+            let mut behind = cluster.behind.lock().unwrap_or_else(|e| e.into_inner());
+            match behind.get_mut(&self.tag) {
+                Some(queue) if !queue.is_empty() => std::mem::take(queue),
+                _ => {
+                    behind.remove(&self.tag);
+                    return;
+                }
+            }
+        };
+        // (Outside a runtime, as when it shuts down, the queued calls fail:
+        // their answers are dropped.)
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            let mut behind = cluster.behind.lock().unwrap_or_else(|e| e.into_inner());
+            behind.remove(&self.tag);
+            return;
+        };
+        let next = Behind {
+            store: self.store.clone(),
+            tag: std::mem::take(&mut self.tag),
+        };
+        runtime.spawn(async move {
+            if let Conn::Cluster(cluster) = &next.store.conn {
+                next.store.send_queued(cluster, queued).await;
+            }
+            drop(next);
+        });
+    }
+}
+
 /// An error reply is an error.
 fn checked(reply: Result<Reply, StoreError>) -> Result<Reply, StoreError> {
     match reply {
@@ -832,25 +1024,23 @@ async fn run_script(
     }
 }
 
-/// Whether Redis answered that it does not have the script (restarted, or
-/// `SCRIPT FLUSH`): the call is made again with the script's text.
-fn is_noscript(reply: &Reply) -> bool {
-    matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
+/// [`run_script`] of an acquire.lua decision, `(command, at, head)` as
+/// [`Pipe::call_decision`] takes it: it may share a call with others.
+async fn run_decision(
+    pipe: &Pipe,
+    (evalsha, at, head): (&Command, usize, &[u8]),
+    eval: impl FnOnce() -> Result<Command, StoreError>,
+    deadline: Instant,
+) -> Result<Reply, StoreError> {
+    match pipe.call_decision(evalsha, at, head, deadline).await? {
+        reply if is_noscript(&reply) => checked(pipe.call(&eval()?, deadline).await),
+        reply => checked(Ok(reply)),
+    }
 }
 
 /// `EVALSHA` (or `EVAL`) of a script, by hash (or text), over `keys` and `args`.
 fn script_command(verb: &[u8], script: &[u8], keys: &[Vec<u8>], args: &[&[u8]]) -> Command {
-    let bytes =
-        keys.iter().map(Vec::len).sum::<usize>() + args.iter().map(|a| a.len()).sum::<usize>();
-    let mut cmd = Command::new(3 + keys.len() + args.len(), script.len() + bytes);
-    cmd.arg(verb).arg(script).arg_number(keys.len());
-    for k in keys {
-        cmd.arg(k);
-    }
-    for a in args {
-        cmd.arg(a);
-    }
-    cmd
+    Command::script(verb, script, keys, args)
 }
 
 /// A redis-rs reply (from a cluster) as the pipe reads replies.
