@@ -42,11 +42,10 @@ use http_body_util::Either;
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::watch;
 
 use crate::ascii::eq_lower;
 use crate::fields::HeadFields;
-use crate::idle::Idle;
+use crate::idle::Conn;
 use crate::limiter::KeyCache;
 use crate::proxy::{Answer, Body, Limits, Proxy, ProxyError, RequestBody, plain_head};
 use crate::stall::SendTimeout;
@@ -60,12 +59,13 @@ const MAX_HEADERS: usize = 64;
 /// write; larger pieces are written as they are.
 const COPY_LIMIT: usize = 16 * 1024;
 
-/// What a connection's requests need from the server.
-pub struct Client<'a> {
-    pub proxy: &'a Proxy,
+/// What a connection's requests need from the server: kept in its
+/// [`Conn`], for the connection's life.
+pub struct Client {
+    pub proxy: Arc<Proxy>,
     pub peer: SocketAddr,
-    pub keys: &'a KeyCache,
-    pub idle: &'a Arc<Idle>,
+    /// The limiter's identities of the connection's last request.
+    pub keys: KeyCache,
     /// `server.client_send_timeout` (see [`crate::stall`]).
     pub send_timeout: Duration,
 }
@@ -75,35 +75,74 @@ pub enum Served {
     /// It is closed: by the client, after `Connection: close`, at shutdown,
     /// or after a response that could not be sent whole.
     Closed,
-    /// A request for hyper: the connection, with the bytes read and not used.
-    Handoff(Rewind),
+    /// A request for hyper: the bytes read and not used (see [`Rewind`]).
+    Handoff(BytesMut),
 }
 
-/// Serves `stream` until it closes or has a request for hyper. `signal`
-/// says the server is shutting down: a connection waiting for a request
-/// closes at once, one with a request in flight after its response.
-pub async fn serve(
-    mut stream: TcpStream,
-    client: Client<'_>,
-    signal: &mut watch::Receiver<()>,
-) -> io::Result<Served> {
-    // The read buffer is not held while the connection waits for its next
-    // request (see `read_more`).
-    let mut buf = BytesMut::new();
+/// Serves `stream` until it closes or has a request for hyper. At shutdown
+/// (see [`crate::idle::Connections::stop`]) a connection waiting for a
+/// request is closed from outside, one with a request in flight closes after
+/// its response.
+///
+/// A connection waiting for its next request holds its socket and nothing
+/// else: no read buffer, no request, no timer (as nginx's keep-alive
+/// connections hold no buffer). Once the client sends, the work of its
+/// requests (the buffers, the request and its answer, the proxy's future,
+/// about 3.5 KB) is made in a box of its own, dropped once the requests are
+/// answered and nothing more has been read; so the connection's task, which
+/// lives as long as the connection, stays small.
+pub async fn serve(stream: &mut TcpStream, conn: &Arc<Conn>) -> io::Result<Served> {
+    loop {
+        // `poll_read_ready`, not `readable()`: the same wait as a read's,
+        // without a waiter list entry (about 200 instructions a request).
+        poll_fn(|cx| stream.poll_read_ready(cx)).await?;
+        match Box::pin(exchange(stream, conn)).await? {
+            Next::Idle => {}
+            Next::Closed => return Ok(Served::Closed),
+            Next::Handoff(buf) => return Ok(Served::Handoff(buf)),
+        }
+    }
+}
+
+/// What comes after [`exchange`].
+enum Next {
+    /// Nothing more read: the connection waits for its next request.
+    Idle,
+    Closed,
+    /// A request for hyper; the bytes read and not used.
+    Handoff(BytesMut),
+}
+
+/// Serves the requests the client has sent, as they come, until all are
+/// answered and nothing more has been read (or the connection closes, or has
+/// a request for hyper).
+async fn exchange(stream: &mut TcpStream, conn: &Arc<Conn>) -> io::Result<Next> {
+    // A spare read buffer of this thread's: under load each exchange reads
+    // into the buffer the last one used, still in cache. Spares are kept,
+    // not freed, as making one costs two allocations (the buffer, and its
+    // shared header once a request's head is split off it).
+    let mut buf = SPARE
+        .with_borrow_mut(|spare| spare.pop())
+        .unwrap_or_default();
+    let next = requests(stream, conn, &mut buf).await;
+    if !matches!(next, Ok(Next::Handoff(_))) {
+        SPARE.with_borrow_mut(|spare| {
+            if buf.capacity() > 0 && spare.len() < MAX_SPARE {
+                buf.clear();
+                spare.push(buf);
+            }
+        });
+    }
+    next
+}
+
+async fn requests(
+    stream: &mut TcpStream,
+    conn: &Arc<Conn>,
+    buf: &mut BytesMut,
+) -> io::Result<Next> {
+    let client = &conn.client;
     let mut out = Vec::new();
-    // The upstream timeout's timer, kept for the connection's requests (see
-    // `proxy::within`); set by the first.
-    let mut timer = pin!(tokio::time::sleep(Duration::ZERO));
-    // The wait for the shutdown signal, kept for the connection's life on a
-    // receiver of its own: made anew for each request, it joined and left
-    // the signal's list of waiters (two locks and a random pick of the list)
-    // every time the connection waited for a head. It is polled once: it
-    // keeps this task's waker, and once woken the connection sees the
-    // signal's version changed (`has_changed`, one atomic load), where
-    // polling the wait again each time cost about 90 instructions.
-    let mut watcher = signal.clone();
-    let mut shutdown = pin!(watcher.changed());
-    let mut watching = false;
     // Each request and its answer are made in these, not moved there (each
     // is about 200 bytes): emptied after each request. The request's fields
     // are where `fields` says in its head, not in its header map.
@@ -114,51 +153,35 @@ pub async fn serve(
         // The next request's head, read as far as needed, its request made
         // in `slot`.
         let close = loop {
-            match parse(&mut buf, &mut slot, &mut fields) {
+            match parse(buf, &mut slot, &mut fields) {
                 Parsed::Request(close) => break close,
                 Parsed::Partial if buf.len() < MAX_HEAD => {}
                 Parsed::Partial | Parsed::Other => {
-                    return Ok(Served::Handoff(Rewind::new(stream, buf)));
+                    return Ok(Next::Handoff(std::mem::take(buf)));
                 }
                 Parsed::Malformed(why) => {
                     let mut resp = ProxyError::BadRequest(why).response();
-                    let mut sending = SendTimeout::new(&mut stream, client.send_timeout);
+                    let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
                     write_response(&mut sending, &mut out, &mut resp, None, false, false).await?;
-                    return Ok(Served::Closed);
+                    return Ok(Next::Closed);
                 }
             }
-            let n = {
-                let mut reading = pin!(read_more(&mut stream, &mut buf));
-                poll_fn(|cx| {
-                    if let Poll::Ready(n) = reading.as_mut().poll(cx) {
-                        return Poll::Ready(Some(n));
-                    }
-                    // A dropped sender (the server gone) means the same.
-                    let stopping = if watching {
-                        signal.has_changed().unwrap_or(true)
-                    } else {
-                        watching = true;
-                        shutdown.as_mut().poll(cx).is_ready()
-                    };
-                    if stopping {
-                        Poll::Ready(None)
-                    } else {
-                        Poll::Pending
-                    }
-                })
-                .await
-            };
-            // None: shutting down; 0 bytes: the client closed.
-            if n.transpose()?.is_none_or(|n| n == 0) {
-                return Ok(Served::Closed);
+            // Reclaims the space of heads already served.
+            buf.reserve(if buf.is_empty() { 4096 } else { 1024 });
+            // 0 bytes: the client closed.
+            if stream.read_buf(buf).await? == 0 {
+                return Ok(Next::Closed);
             }
         };
         // Made by `parse`, which said so.
         let Some(req) = &mut slot else {
-            return Ok(Served::Closed);
+            return Ok(Next::Closed);
         };
         let head_only = req.method() == Method::HEAD;
-        let in_flight = client.idle.clone().begin();
+        // None: closed at shutdown before the request began.
+        let Some(in_flight) = conn.begin() else {
+            return Ok(Next::Closed);
+        };
         // The request, or the client gone first (leaving no answer), each
         // polled where it is pinned (`select!` made more copies of the
         // request's future).
@@ -167,11 +190,11 @@ pub async fn serve(
                 req,
                 Some(&mut fields),
                 client.peer,
-                client.keys,
-                Some(timer.as_mut()),
+                &client.keys,
+                None,
                 &mut answer,
             ));
-            let mut gone = pin!(client_gone(&mut stream, &mut buf));
+            let mut gone = pin!(client_gone(&mut *stream, &mut *buf));
             poll_fn(|cx| match handling.as_mut().poll(cx) {
                 Poll::Ready(()) => Poll::Ready(()),
                 Poll::Pending => gone.as_mut().poll(cx),
@@ -179,12 +202,12 @@ pub async fn serve(
             .await;
         }
         let Some(Answer { resp, limits }) = &mut answer else {
-            return Ok(Served::Closed);
+            return Ok(Next::Closed);
         };
-        let keep = !close && !signal.has_changed().unwrap_or(true);
+        let keep = !close && !conn.stopping();
         // A client that takes no bytes for the timeout fails the write: the
         // connection ends, and the answer's upstream exchange with it.
-        let mut sending = SendTimeout::new(&mut stream, client.send_timeout);
+        let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
         let again = write_response(
             &mut sending,
             &mut out,
@@ -194,53 +217,25 @@ pub async fn serve(
             keep,
         )
         .await?;
-        // Dropped where they are (`drop` would copy them first), not kept
-        // while the connection waits.
+        // Dropped where they are (`drop` would copy them first).
         answer = None;
         slot = None;
         fields.clear();
         drop(in_flight);
         if !again {
-            return Ok(Served::Closed);
+            return Ok(Next::Closed);
         }
-        // A large body's copy is not kept for the connection's life.
+        if buf.is_empty() {
+            return Ok(Next::Idle);
+        }
+        // A large body's copy is not kept while pipelined requests are served.
         if out.capacity() > 4 * COPY_LIMIT {
             out = Vec::new();
         }
     }
 }
 
-/// Reads more of the client's bytes into `buf`. An empty `buf` goes back to
-/// the thread's spare buffers while the connection waits, and one is taken
-/// once there is something to read: an idle keep-alive connection holds no
-/// read buffer (as with nginx), and under load each request reads into the
-/// buffer the last one used, still in cache, not its connection's own, cold
-/// since that connection's last request. Spares are kept, not freed, as
-/// making one costs two allocations (the buffer, and its shared header once
-/// a request's head is split off it).
-async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
-    if buf.is_empty() {
-        SPARE.with_borrow_mut(|spare| {
-            let old = std::mem::take(buf);
-            if old.capacity() > 0 && spare.len() < MAX_SPARE {
-                spare.push(old);
-            }
-        });
-        // `poll_read_ready`, not `readable()`: the same wait as a read's,
-        // without a waiter list entry (about 200 instructions a request).
-        poll_fn(|cx| stream.poll_read_ready(cx)).await?;
-        *buf = SPARE
-            .with_borrow_mut(|spare| spare.pop())
-            .unwrap_or_default();
-        buf.reserve(4096);
-    } else {
-        // Reclaims the space of heads already served.
-        buf.reserve(1024);
-    }
-    stream.read_buf(buf).await
-}
-
-/// Spare read buffers kept per thread (see `read_more`): enough for the
+/// Spare read buffers kept per thread (see `exchange`): enough for the
 /// connections one thread serves at once under load; above it they are freed.
 const MAX_SPARE: usize = 256;
 
@@ -666,7 +661,7 @@ pub struct Rewind {
 }
 
 impl Rewind {
-    fn new(stream: TcpStream, first: BytesMut) -> Rewind {
+    pub fn new(stream: TcpStream, first: BytesMut) -> Rewind {
         Rewind { first, stream }
     }
 }
