@@ -96,7 +96,10 @@ pub async fn serve(stream: &mut TcpStream, conn: &Arc<Conn>) -> io::Result<Serve
         // `poll_read_ready`, not `readable()`: the same wait as a read's,
         // without a waiter list entry (about 200 instructions a request).
         poll_fn(|cx| stream.poll_read_ready(cx)).await?;
-        match Box::pin(exchange(stream, conn)).await? {
+        // The box is made first and the future in it: `Box::pin` made the
+        // future (3.4 KB) on the stack and copied it.
+        let exchange = Box::write(Box::new_uninit(), exchange(stream, conn));
+        match Box::into_pin(exchange).await? {
             Next::Idle => {}
             Next::Closed => return Ok(Served::Closed),
             Next::Handoff(buf) => return Ok(Served::Handoff(buf)),
@@ -117,32 +120,9 @@ enum Next {
 /// answered and nothing more has been read (or the connection closes, or has
 /// a request for hyper).
 async fn exchange(stream: &mut TcpStream, conn: &Arc<Conn>) -> io::Result<Next> {
-    // A spare read buffer of this thread's: under load each exchange reads
-    // into the buffer the last one used, still in cache. Spares are kept,
-    // not freed, as making one costs two allocations (the buffer, and its
-    // shared header once a request's head is split off it).
-    let mut buf = SPARE
-        .with_borrow_mut(|spare| spare.pop())
-        .unwrap_or_default();
-    let next = requests(stream, conn, &mut buf).await;
-    if !matches!(next, Ok(Next::Handoff(_))) {
-        SPARE.with_borrow_mut(|spare| {
-            if buf.capacity() > 0 && spare.len() < MAX_SPARE {
-                buf.clear();
-                spare.push(buf);
-            }
-        });
-    }
-    next
-}
-
-async fn requests(
-    stream: &mut TcpStream,
-    conn: &Arc<Conn>,
-    buf: &mut BytesMut,
-) -> io::Result<Next> {
     let client = &conn.client;
-    let mut out = Vec::new();
+    let mut lent = Lent::take();
+    let Buffers { read: buf, out } = &mut lent.0;
     // Each request and its answer are made in these, not moved there (each
     // is about 200 bytes): emptied after each request. The request's fields
     // are where `fields` says in its head, not in its header map.
@@ -162,7 +142,7 @@ async fn requests(
                 Parsed::Malformed(why) => {
                     let mut resp = ProxyError::BadRequest(why).response();
                     let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
-                    write_response(&mut sending, &mut out, &mut resp, None, false, false).await?;
+                    write_response(&mut sending, out, &mut resp, None, false, false).await?;
                     return Ok(Next::Closed);
                 }
             }
@@ -208,15 +188,8 @@ async fn requests(
         // A client that takes no bytes for the timeout fails the write: the
         // connection ends, and the answer's upstream exchange with it.
         let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
-        let again = write_response(
-            &mut sending,
-            &mut out,
-            resp,
-            limits.as_ref(),
-            head_only,
-            keep,
-        )
-        .await?;
+        let again =
+            write_response(&mut sending, out, resp, limits.as_ref(), head_only, keep).await?;
         // Dropped where they are (`drop` would copy them first).
         answer = None;
         slot = None;
@@ -230,13 +203,56 @@ async fn requests(
         }
         // A large body's copy is not kept while pipelined requests are served.
         if out.capacity() > 4 * COPY_LIMIT {
-            out = Vec::new();
+            *out = Vec::new();
         }
     }
 }
 
-/// Spare read buffers kept per thread (see `exchange`): enough for the
-/// connections one thread serves at once under load; above it they are freed.
+/// The buffers an exchange reads requests into and writes answers from.
+#[derive(Default)]
+struct Buffers {
+    read: BytesMut,
+    out: Vec<u8>,
+}
+
+/// A thread's spare [`Buffers`], lent to an exchange and given back when it
+/// ends however it ends. Under load each exchange uses the buffers the last
+/// one used, still in cache; spares are kept, not freed, as making them
+/// costs allocations (the read buffer, its shared header once a request's
+/// head is split off it, and the answer's growing to its size).
+struct Lent(Buffers);
+
+impl Lent {
+    fn take() -> Lent {
+        Lent(
+            SPARE
+                .with_borrow_mut(|spare| spare.pop())
+                .unwrap_or_default(),
+        )
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let Buffers { mut read, mut out } = std::mem::take(&mut self.0);
+        read.clear();
+        out.clear();
+        // A large body's copy is not kept.
+        if out.capacity() > 4 * COPY_LIMIT {
+            out = Vec::new();
+        }
+        // At the thread's end the spares may be gone already.
+        let _ = SPARE.try_with(|spare| {
+            let mut spare = spare.borrow_mut();
+            if read.capacity() > 0 && spare.len() < MAX_SPARE {
+                spare.push(Buffers { read, out });
+            }
+        });
+    }
+}
+
+/// Spare buffers kept per thread (see [`Lent`]): enough for the connections
+/// one thread serves at once under load; above it they are freed.
 const MAX_SPARE: usize = 256;
 
 /// How many spare read buffers this thread holds: for tests, which run the
@@ -627,7 +643,7 @@ async fn flush<W: AsyncWrite + Unpin>(stream: &mut W, out: &mut Vec<u8>) -> io::
 }
 
 thread_local! {
-    static SPARE: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
+    static SPARE: RefCell<Vec<Buffers>> = const { RefCell::new(Vec::new()) };
     static DATE: RefCell<Date> = const { RefCell::new(Date { second: 0, text: [0; 29] }) };
 }
 
