@@ -1,4 +1,5 @@
-//! sluice's own HTTP/1.1 server, for client connections on plain TCP.
+//! sluice's own HTTP/1.1 server, for client connections on plain TCP and
+//! over TLS (unless ALPN chose HTTP/2).
 //!
 //! It serves the usual request itself: HTTP/1.1, no body, no upgrade, no
 //! `Expect`, no `TE`. A head that cannot be parsed gets sluice's own `400`
@@ -20,11 +21,15 @@
 //!   else chunked (trailers are dropped: a client that wants them says
 //!   `TE: trailers`, and such a request goes to hyper);
 //! - `Connection: close` from the client gets `connection: close` back, and
-//!   the connection ends after the response; so does one at shutdown;
+//!   the connection ends after the response (over TLS with close_notify);
+//!   so does one at shutdown;
 //! - a client that closes its connection while its request is in flight
 //!   cancels the request (the upstream exchange is dropped, as with hyper);
 //! - a body that fails or is longer than its `Content-Length` ends the
 //!   connection, so the client sees it cut short and never a wrong message.
+//!
+//! A connection waiting for its next request holds nothing but its socket
+//! (and its TLS session): see [`serve`].
 
 use std::cell::RefCell;
 use std::future::poll_fn;
@@ -42,6 +47,7 @@ use http_body_util::Either;
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::server::TlsStream;
 
 use crate::ascii::eq_lower;
 use crate::fields::HeadFields;
@@ -53,6 +59,8 @@ use crate::stall::SendTimeout;
 /// The most a request head may take here; a longer one goes to hyper, whose
 /// limit is `server.max_header_bytes`.
 pub const MAX_HEAD: usize = 8 * 1024;
+/// The 24 bytes a client speaking HTTP/2 with prior knowledge opens with.
+pub const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Header lines a head may have here; more go to hyper (its limit is 100).
 const MAX_HEADERS: usize = 64;
 /// Body data up to this size is copied behind the head, to go out in one
@@ -68,6 +76,34 @@ pub struct Client {
     pub keys: KeyCache,
     /// `server.client_send_timeout` (see [`crate::stall`]).
     pub send_timeout: Duration,
+}
+
+/// A client connection served here: plain TCP, or TLS over it.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Ready once the client's next bytes can be read: the wait of a
+    /// connection between requests, which holds nothing but its socket.
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+}
+
+impl Stream for TcpStream {
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // `poll_read_ready`, not `readable()`: the same wait as a read's,
+        // without a waiter list entry (about 200 instructions a request).
+        self.poll_read_ready(cx)
+    }
+}
+
+impl Stream for TlsStream<TcpStream> {
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let (tcp, tls) = self.get_mut();
+        // Bytes rustls has decrypted already (a request sent with the end of
+        // the handshake) are there to read: the socket will not say so. An
+        // error is for the read to tell.
+        match tls.process_new_packets() {
+            Ok(io) if io.plaintext_bytes_to_read() == 0 => tcp.poll_read_ready(cx),
+            _ => Poll::Ready(Ok(())),
+        }
+    }
 }
 
 /// How serving a connection here ended.
@@ -91,11 +127,9 @@ pub enum Served {
 /// about 3.5 KB) is made in a box of its own, dropped once the requests are
 /// answered and nothing more has been read; so the connection's task, which
 /// lives as long as the connection, stays small.
-pub async fn serve(stream: &mut TcpStream, conn: &Arc<Conn>) -> io::Result<Served> {
+pub async fn serve<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Served> {
     loop {
-        // `poll_read_ready`, not `readable()`: the same wait as a read's,
-        // without a waiter list entry (about 200 instructions a request).
-        poll_fn(|cx| stream.poll_read_ready(cx)).await?;
+        poll_fn(|cx| stream.poll_readable(cx)).await?;
         // The box is made first and the future in it: `Box::pin` made the
         // future (3.4 KB) on the stack and copied it.
         let exchange = Box::write(Box::new_uninit(), exchange(stream, conn));
@@ -119,7 +153,7 @@ enum Next {
 /// Serves the requests the client has sent, as they come, until all are
 /// answered and nothing more has been read (or the connection closes, or has
 /// a request for hyper).
-async fn exchange(stream: &mut TcpStream, conn: &Arc<Conn>) -> io::Result<Next> {
+async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Next> {
     let client = &conn.client;
     let mut lent = Lent::take();
     let Buffers { read: buf, out } = &mut lent.0;
@@ -143,6 +177,7 @@ async fn exchange(stream: &mut TcpStream, conn: &Arc<Conn>) -> io::Result<Next> 
                     let mut resp = ProxyError::BadRequest(why).response();
                     let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
                     write_response(&mut sending, out, &mut resp, None, false, false).await?;
+                    sending.flush().await?;
                     return Ok(Next::Closed);
                 }
             }
@@ -291,6 +326,16 @@ fn parse(
     let (len, method, target) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read) {
         Some(line) => (line.len, line.method, line.target),
         None => {
+            // The HTTP/2 preface, from a TLS client that chose no protocol
+            // (on plain TCP the server looks first): hyper's to serve.
+            let start = &buf[..buf.len().min(H2_PREFACE.len())];
+            if H2_PREFACE.starts_with(start) {
+                return if start.len() < H2_PREFACE.len() {
+                    Parsed::Partial
+                } else {
+                    Parsed::Other
+                };
+            }
             read.clear();
             match parse_other(buf, &mut read) {
                 Ok(line) => line,
@@ -419,7 +464,7 @@ fn build(
 /// Resolves when the client closes its side (or its connection fails) while
 /// a request is in flight. Bytes it sends meanwhile (the next request,
 /// pipelined) are kept in `buf`, up to [`MAX_HEAD`].
-async fn client_gone(stream: &mut TcpStream, buf: &mut BytesMut) {
+async fn client_gone<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut BytesMut) {
     loop {
         if buf.len() >= MAX_HEAD {
             return std::future::pending().await;
@@ -671,18 +716,18 @@ impl Date {
 /// A client connection handed to hyper: the bytes read and not used come
 /// first, then the stream.
 #[derive(Debug)]
-pub struct Rewind {
+pub struct Rewind<S> {
     first: BytesMut,
-    stream: TcpStream,
+    stream: S,
 }
 
-impl Rewind {
-    pub fn new(stream: TcpStream, first: BytesMut) -> Rewind {
+impl<S> Rewind<S> {
+    pub fn new(stream: S, first: BytesMut) -> Rewind<S> {
         Rewind { first, stream }
     }
 }
 
-impl AsyncRead for Rewind {
+impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -698,7 +743,7 @@ impl AsyncRead for Rewind {
     }
 }
 
-impl AsyncWrite for Rewind {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -1,6 +1,7 @@
 //! The listener: accepts connections (at most `server.max_connections` at
-//! once), serves HTTP/1.1 and HTTP/2 (prior knowledge) on the same port, and
-//! drains gracefully on shutdown.
+//! once), serves HTTP/1.1 and HTTP/2 (prior knowledge, or ALPN over TLS) on
+//! the same port, and drains gracefully on shutdown. Each connection is one
+//! task, kept small for its life (see `plain`).
 
 use std::convert::Infallible;
 use std::future::{Future, poll_fn};
@@ -15,7 +16,7 @@ use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::io::ReadBuf;
+use tokio::io::{AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -23,7 +24,7 @@ use crate::clock::Clock;
 use crate::coalesce::Coalesce;
 use crate::config::{Backend, Config};
 use crate::front;
-use crate::front::{Client, Rewind, Served};
+use crate::front::{Client, H2_PREFACE, Rewind, Served};
 use crate::graceful;
 use crate::idle::{Conn, Connections, Ended, Tracked};
 use crate::limiter::{KeyCache, Limiter};
@@ -308,8 +309,10 @@ fn plain(mut stream: TcpStream, hyper: Hyper, ended: Ended) -> impl Future<Outpu
     }
 }
 
-/// A client connection over TLS, served by hyper: the handshake, then the
-/// protocol ALPN chose. All of it boxed (see [`plain`]).
+/// A client connection over TLS: the handshake, then HTTP/2 by hyper's
+/// server if ALPN chose it, else HTTP/1.1 by sluice's own (see [`plain`]),
+/// which hands hyper what it does not serve. All of it boxed: the TLS
+/// session alone is 1.2 KB.
 fn tls(
     stream: TcpStream,
     acceptor: tokio_rustls::TlsAcceptor,
@@ -318,27 +321,50 @@ fn tls(
 ) -> impl Future<Output = ()> + Send {
     Box::pin(async move {
         let conn = ended.conn().clone();
-        let peer = conn.client.peer;
-        let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-            Ok(Ok(stream)) => stream,
-            Ok(Err(e)) => {
-                tracing::debug!(peer = %peer, error = %e, "TLS handshake failed");
-                return;
-            }
-            Err(_) => return,
-        };
+        let send_timeout = conn.client.send_timeout;
+        let mut stream =
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    tracing::debug!(peer = %conn.client.peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
         // What ALPN chose is spoken from the first byte: a client that chose
         // h2 and sends no valid preface gets HTTP/2's GOAWAY, not an HTTP/1
-        // 400.
+        // 400. Without ALPN, an HTTP/2 client's preface is handed on by the
+        // own server, to hyper's auto connection.
         let proto = match stream.get_ref().1.alpn_protocol() {
             Some(b"h2") => Proto::Http2,
             Some(b"http/1.1") => Proto::Http1,
-            // No ALPN: told apart by the first bytes.
             _ => Proto::Auto,
         };
-        let io = SendTimeout::new(stream, conn.client.send_timeout);
-        if let Err(e) = hyper.serve(io, proto, conn).await {
-            tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+        let served = if let Proto::Http2 = proto {
+            let io = SendTimeout::new(stream, send_timeout);
+            Box::pin(hyper.serve(io, proto, conn.clone())).await
+        } else {
+            // Settled before hyper's part is awaited (see `plain`).
+            let rest = match front::serve(&mut stream, &conn).await {
+                Ok(Served::Closed) => {
+                    // TLS's close_notify, as hyper's server sends: the client
+                    // knows the connection ended as meant.
+                    let _ = tokio::time::timeout(send_timeout, stream.shutdown()).await;
+                    return;
+                }
+                Ok(Served::Handoff(rest)) => Ok(rest),
+                Err(e) => Err(e),
+            };
+            match rest {
+                Ok(rest) => {
+                    let io = SendTimeout::new(Rewind::new(stream, rest), send_timeout);
+                    Box::pin(hyper.serve(io, proto, conn.clone())).await
+                }
+                Err(e) => Err(e.into()),
+            }
+        };
+        if let Err(e) = served {
+            tracing::debug!(peer = %conn.client.peer, error = %e, "connection ended with an error");
         }
         drop(ended);
     })
@@ -385,9 +411,6 @@ async fn drain(body: &mut RequestBody) {
 
 const DRAIN_BYTES: usize = 64 * 1024;
 const DRAIN_TIME: Duration = Duration::from_secs(1);
-
-/// The 24 bytes a client speaking HTTP/2 with prior knowledge opens with.
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Whether a plain connection's first bytes, looked at without taking them,
 /// already differ from the HTTP/2 preface. Usually they do ("GET ...") and
