@@ -7,18 +7,18 @@
 //! `server::starts_as_http1`).
 
 use std::future::Future;
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 
 use tokio::sync::watch;
 
 /// Runs `conn` to its end; when `signal` comes first, `finish` tells it to end
-/// after its requests in flight (hyper's `graceful_shutdown`).
+/// after its requests in flight (hyper's `graceful_shutdown`). `conn` comes
+/// boxed: a connection moved into this future would be kept twice.
 pub async fn watch<C: Future>(
-    conn: C,
+    mut conn: Pin<Box<C>>,
     mut signal: watch::Receiver<()>,
     finish: impl FnOnce(Pin<&mut C>),
 ) -> C::Output {
-    let mut conn = pin!(conn);
     tokio::select! {
         out = conn.as_mut() => return out,
         // A dropped sender (the server gone) means the same.
