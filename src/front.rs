@@ -37,7 +37,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -47,6 +47,7 @@ use http_body_util::Either;
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::time::Sleep;
 use tokio_rustls::server::TlsStream;
 
 use crate::ascii::eq_lower;
@@ -155,8 +156,12 @@ enum Next {
 /// a request for hyper).
 async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Next> {
     let client = &conn.client;
-    let mut lent = Lent::take();
-    let Buffers { read: buf, out } = &mut lent.0;
+    let mut lent = Lent::take(&client.proxy);
+    let Buffers {
+        read: buf,
+        out,
+        timer,
+    } = &mut lent.0;
     // Each request and its answer are made in these, not moved there (each
     // is about 200 bytes): emptied after each request. The request's fields
     // are where `fields` says in its head, not in its header map.
@@ -206,7 +211,7 @@ async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Nex
                 Some(&mut fields),
                 client.peer,
                 &client.keys,
-                None,
+                Some(Lent::timer(timer, &client.proxy)),
                 &mut answer,
             ));
             let mut gone = pin!(client_gone(&mut *stream, &mut *buf));
@@ -243,33 +248,63 @@ async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Nex
     }
 }
 
-/// The buffers an exchange reads requests into and writes answers from.
+/// What an exchange works with: the buffers it reads requests into and
+/// writes answers from, and the timer of its requests' upstream deadline.
 #[derive(Default)]
 struct Buffers {
     read: BytesMut,
     out: Vec<u8>,
+    /// Made for each request, a timer was put in the runtime's timer wheel
+    /// and taken out again (about 300 instructions a request); kept, it
+    /// moves about once per `upstream_timeout` (see `proxy::within`). It
+    /// may wake the task of its last request once, to no effect. It serves
+    /// only connections of the server it was made for: a server runs on one
+    /// runtime, and a timer cannot move to another.
+    timer: Option<(Weak<Proxy>, Pin<Box<Sleep>>)>,
 }
 
 /// A thread's spare [`Buffers`], lent to an exchange and given back when it
-/// ends however it ends. Under load each exchange uses the buffers the last
-/// one used, still in cache; spares are kept, not freed, as making them
-/// costs allocations (the read buffer, its shared header once a request's
-/// head is split off it, and the answer's growing to its size).
+/// ends however it ends. Under load each exchange uses what the last one
+/// used, still in cache; spares are kept, not freed, as making them costs
+/// allocations (the read buffer, its shared header once a request's head is
+/// split off it, the answer's growing to its size) and the timer's moves.
 struct Lent(Buffers);
 
 impl Lent {
-    fn take() -> Lent {
-        Lent(
-            SPARE
-                .with_borrow_mut(|spare| spare.pop())
-                .unwrap_or_default(),
-        )
+    fn take(proxy: &Arc<Proxy>) -> Lent {
+        let mut lent = SPARE
+            .with_borrow_mut(|spare| spare.pop())
+            .unwrap_or_default();
+        let theirs = |(server, _): &(Weak<Proxy>, _)| !std::ptr::eq(server.as_ptr(), &**proxy);
+        if lent.timer.as_ref().is_some_and(theirs) {
+            lent.timer = None;
+        }
+        Lent(lent)
+    }
+
+    /// The timer, made for `proxy`'s connections if there was none.
+    fn timer<'t>(
+        timer: &'t mut Option<(Weak<Proxy>, Pin<Box<Sleep>>)>,
+        proxy: &Arc<Proxy>,
+    ) -> Pin<&'t mut Sleep> {
+        let (_, timer) = timer.get_or_insert_with(|| {
+            // Its first deadline has passed: the first request moves it.
+            (
+                Arc::downgrade(proxy),
+                Box::pin(tokio::time::sleep(Duration::ZERO)),
+            )
+        });
+        timer.as_mut()
     }
 }
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        let Buffers { mut read, mut out } = std::mem::take(&mut self.0);
+        let Buffers {
+            mut read,
+            mut out,
+            timer,
+        } = std::mem::take(&mut self.0);
         read.clear();
         out.clear();
         // A large body's copy is not kept.
@@ -280,7 +315,7 @@ impl Drop for Lent {
         let _ = SPARE.try_with(|spare| {
             let mut spare = spare.borrow_mut();
             if read.capacity() > 0 && spare.len() < MAX_SPARE {
-                spare.push(Buffers { read, out });
+                spare.push(Buffers { read, out, timer });
             }
         });
     }
