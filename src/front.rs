@@ -124,15 +124,16 @@ pub enum Served {
 /// A connection waiting for its next request holds its socket and nothing
 /// else: no read buffer, no request, no timer (as nginx's keep-alive
 /// connections hold no buffer). Once the client sends, the work of its
-/// requests (the buffers, the request and its answer, the proxy's future,
-/// about 3.5 KB) is made in a box of its own, dropped once the requests are
-/// answered and nothing more has been read; so the connection's task, which
-/// lives as long as the connection, stays small.
+/// requests (the buffers, the request and its answer, the proxy's future)
+/// is made in a box of its own, dropped once the requests are answered and
+/// nothing more has been read; so the connection's task, which lives as
+/// long as the connection, stays small (figures in docs/performance.md,
+/// "Idle connections").
 pub async fn serve<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Served> {
     loop {
         poll_fn(|cx| stream.poll_readable(cx)).await?;
         // The box is made first and the future in it: `Box::pin` made the
-        // future (3.4 KB) on the stack and copied it.
+        // future on the stack and copied it.
         let exchange = Box::write(Box::new_uninit(), exchange(stream, conn));
         match Box::into_pin(exchange).await? {
             Next::Idle => {}
@@ -254,9 +255,9 @@ async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Nex
 struct Buffers {
     read: BytesMut,
     out: Vec<u8>,
-    /// Made for each request, a timer was put in the runtime's timer wheel
-    /// and taken out again (about 300 instructions a request); kept, it
-    /// moves about once per `upstream_timeout` (see `proxy::within`). It
+    /// Made for each request, a timer is put in the runtime's timer wheel
+    /// and taken out again; kept, it moves about once per
+    /// `upstream_timeout` (see `proxy::within`). It
     /// may wake the task of its last request once, to no effect. It serves
     /// only connections of the server it was made for: a server runs on one
     /// runtime, and a timer cannot move to another.

@@ -9,8 +9,8 @@
 //! and notes when the last one ended, and the server's [`Connections`] looks
 //! at every connection once a tick ([`tick`]: a second at most) and closes
 //! those idle for too long. So a connection costs no timer and no second
-//! task (a watchdog task per connection was about 400 bytes, as much as the
-//! rest of an idle connection), and the timeout is kept to within a tick.
+//! task (a watchdog task per connection cost an idle connection more memory
+//! than the rest of it), and the timeout is kept to within a tick.
 //!
 //! A request is in flight from the moment its head is parsed until its
 //! response body has been sent (or dropped), so a slow upstream or a long

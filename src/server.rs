@@ -315,8 +315,8 @@ fn plain(mut stream: TcpStream, hyper: Hyper, ended: Ended) -> impl Future<Outpu
 /// A client connection over TLS: the handshake, then HTTP/2 by hyper's
 /// server if ALPN chose it, else HTTP/1.1 by sluice's own (see [`plain`]),
 /// which hands hyper what it does not serve. Each part is boxed while it
-/// runs, the handshake's included: the TLS session alone is 1.2 KB, and a
-/// future holds room for the largest of its parts for its whole life.
+/// runs, the handshake's included: the TLS session is large, and a future
+/// holds room for the largest of its parts for its whole life.
 fn tls(
     stream: TcpStream,
     acceptor: tokio_rustls::TlsAcceptor,
@@ -446,7 +446,7 @@ const DRAIN_TIME: Duration = Duration::from_secs(1);
 /// connection's life: about 8 KB more per connection, idle ones included.
 ///
 /// `poll_peek`, not `peek`: its wait keeps no waiter in the connection's
-/// task (about 100 bytes, for the connection's life).
+/// task.
 async fn starts_as_http1(stream: &TcpStream) -> bool {
     let mut first = [0u8; H2_PREFACE.len()];
     let peeked = poll_fn(|cx| stream.poll_peek(cx, &mut ReadBuf::new(&mut first))).await;
@@ -508,8 +508,7 @@ impl Protocols {
     /// Serves one client connection until it ends, or until `signal` and its
     /// requests in flight are done, speaking `proto`. hyper's connection,
     /// with `io`, is made here and boxed, so that it is kept once: moved
-    /// into a future, and from it into another, each kept a copy (an idle
-    /// HTTP/2 connection over TLS held 8 KB of futures around hyper's 2.7 KB).
+    /// into a future, and from it into another, each kept a copy.
     fn serve<I, S, B>(
         &self,
         io: I,
@@ -651,9 +650,9 @@ mod tests {
     }
 
     /// An idle plain connection's task holds this future for the
-    /// connection's life; tokio's task around it (aligned to 128 bytes)
-    /// stays at 256 bytes while it is at most 144. It was 8 KB when the
-    /// request's work and hyper's connection were made in it.
+    /// connection's life; tokio's task around it, aligned to 128 bytes,
+    /// stays at two of them while the future is at most 144 bytes: the
+    /// request's work and hyper's connection are boxed apart.
     #[test]
     fn a_plain_connections_task_stays_small() {
         let size = future_size(plain);
