@@ -1,4 +1,5 @@
-//! sluice's own HTTP/1.1 server, for client connections on plain TCP.
+//! sluice's own HTTP/1.1 server, for client connections on plain TCP and
+//! over TLS (unless ALPN chose HTTP/2).
 //!
 //! It serves the usual request itself: HTTP/1.1, no body, no upgrade, no
 //! `Expect`, no `TE`. A head that cannot be parsed gets sluice's own `400`
@@ -20,11 +21,15 @@
 //!   else chunked (trailers are dropped: a client that wants them says
 //!   `TE: trailers`, and such a request goes to hyper);
 //! - `Connection: close` from the client gets `connection: close` back, and
-//!   the connection ends after the response; so does one at shutdown;
+//!   the connection ends after the response (over TLS with close_notify);
+//!   so does one at shutdown;
 //! - a client that closes its connection while its request is in flight
 //!   cancels the request (the upstream exchange is dropped, as with hyper);
 //! - a body that fails or is longer than its `Content-Length` ends the
 //!   connection, so the client sees it cut short and never a wrong message.
+//!
+//! A connection waiting for its next request holds nothing but its socket
+//! (and its TLS session): see [`serve`].
 
 use std::cell::RefCell;
 use std::future::poll_fn;
@@ -32,7 +37,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -42,11 +47,12 @@ use http_body_util::Either;
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::watch;
+use tokio::time::Sleep;
+use tokio_rustls::server::TlsStream;
 
 use crate::ascii::eq_lower;
 use crate::fields::HeadFields;
-use crate::idle::Idle;
+use crate::idle::Conn;
 use crate::limiter::KeyCache;
 use crate::proxy::{Answer, Body, Limits, Proxy, ProxyError, RequestBody, plain_head};
 use crate::stall::SendTimeout;
@@ -54,20 +60,51 @@ use crate::stall::SendTimeout;
 /// The most a request head may take here; a longer one goes to hyper, whose
 /// limit is `server.max_header_bytes`.
 pub const MAX_HEAD: usize = 8 * 1024;
+/// The 24 bytes a client speaking HTTP/2 with prior knowledge opens with.
+pub const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Header lines a head may have here; more go to hyper (its limit is 100).
 const MAX_HEADERS: usize = 64;
 /// Body data up to this size is copied behind the head, to go out in one
 /// write; larger pieces are written as they are.
 const COPY_LIMIT: usize = 16 * 1024;
 
-/// What a connection's requests need from the server.
-pub struct Client<'a> {
-    pub proxy: &'a Proxy,
+/// What a connection's requests need from the server: kept in its
+/// [`Conn`], for the connection's life.
+pub struct Client {
+    pub proxy: Arc<Proxy>,
     pub peer: SocketAddr,
-    pub keys: &'a KeyCache,
-    pub idle: &'a Arc<Idle>,
+    /// The limiter's identities of the connection's last request.
+    pub keys: KeyCache,
     /// `server.client_send_timeout` (see [`crate::stall`]).
     pub send_timeout: Duration,
+}
+
+/// A client connection served here: plain TCP, or TLS over it.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Ready once the client's next bytes can be read: the wait of a
+    /// connection between requests, which holds nothing but its socket.
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+}
+
+impl Stream for TcpStream {
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // `poll_read_ready`, not `readable()`: the same wait as a read's,
+        // without a waiter list entry (about 200 instructions a request).
+        self.poll_read_ready(cx)
+    }
+}
+
+impl Stream for TlsStream<TcpStream> {
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let (tcp, tls) = self.get_mut();
+        // Bytes rustls has decrypted already (a request sent with the end of
+        // the handshake) are there to read: the socket will not say so. An
+        // error is for the read to tell.
+        match tls.process_new_packets() {
+            Ok(io) if io.plaintext_bytes_to_read() == 0 => tcp.poll_read_ready(cx),
+            _ => Poll::Ready(Ok(())),
+        }
+    }
 }
 
 /// How serving a connection here ended.
@@ -75,35 +112,57 @@ pub enum Served {
     /// It is closed: by the client, after `Connection: close`, at shutdown,
     /// or after a response that could not be sent whole.
     Closed,
-    /// A request for hyper: the connection, with the bytes read and not used.
-    Handoff(Rewind),
+    /// A request for hyper: the bytes read and not used (see [`Rewind`]).
+    Handoff(BytesMut),
 }
 
-/// Serves `stream` until it closes or has a request for hyper. `signal`
-/// says the server is shutting down: a connection waiting for a request
-/// closes at once, one with a request in flight after its response.
-pub async fn serve(
-    mut stream: TcpStream,
-    client: Client<'_>,
-    signal: &mut watch::Receiver<()>,
-) -> io::Result<Served> {
-    // The read buffer is not held while the connection waits for its next
-    // request (see `read_more`).
-    let mut buf = BytesMut::new();
-    let mut out = Vec::new();
-    // The upstream timeout's timer, kept for the connection's requests (see
-    // `proxy::within`); set by the first.
-    let mut timer = pin!(tokio::time::sleep(Duration::ZERO));
-    // The wait for the shutdown signal, kept for the connection's life on a
-    // receiver of its own: made anew for each request, it joined and left
-    // the signal's list of waiters (two locks and a random pick of the list)
-    // every time the connection waited for a head. It is polled once: it
-    // keeps this task's waker, and once woken the connection sees the
-    // signal's version changed (`has_changed`, one atomic load), where
-    // polling the wait again each time cost about 90 instructions.
-    let mut watcher = signal.clone();
-    let mut shutdown = pin!(watcher.changed());
-    let mut watching = false;
+/// Serves `stream` until it closes or has a request for hyper. At shutdown
+/// (see [`crate::idle::Connections::stop`]) a connection waiting for a
+/// request is closed from outside, one with a request in flight closes after
+/// its response.
+///
+/// A connection waiting for its next request holds its socket and nothing
+/// else: no read buffer, no request, no timer (as nginx's keep-alive
+/// connections hold no buffer). Once the client sends, the work of its
+/// requests (the buffers, the request and its answer, the proxy's future)
+/// is made in a box of its own, dropped once the requests are answered and
+/// nothing more has been read; so the connection's task, which lives as
+/// long as the connection, stays small (figures in docs/performance.md,
+/// "Idle connections").
+pub async fn serve<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Served> {
+    loop {
+        poll_fn(|cx| stream.poll_readable(cx)).await?;
+        // The box is made first and the future in it: `Box::pin` made the
+        // future on the stack and copied it.
+        let exchange = Box::write(Box::new_uninit(), exchange(stream, conn));
+        match Box::into_pin(exchange).await? {
+            Next::Idle => {}
+            Next::Closed => return Ok(Served::Closed),
+            Next::Handoff(buf) => return Ok(Served::Handoff(buf)),
+        }
+    }
+}
+
+/// What comes after [`exchange`].
+enum Next {
+    /// Nothing more read: the connection waits for its next request.
+    Idle,
+    Closed,
+    /// A request for hyper; the bytes read and not used.
+    Handoff(BytesMut),
+}
+
+/// Serves the requests the client has sent, as they come, until all are
+/// answered and nothing more has been read (or the connection closes, or has
+/// a request for hyper).
+async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Next> {
+    let client = &conn.client;
+    let mut lent = Lent::take(&client.proxy);
+    let Buffers {
+        read: buf,
+        out,
+        timer,
+    } = &mut lent.0;
     // Each request and its answer are made in these, not moved there (each
     // is about 200 bytes): emptied after each request. The request's fields
     // are where `fields` says in its head, not in its header map.
@@ -114,52 +173,36 @@ pub async fn serve(
         // The next request's head, read as far as needed, its request made
         // in `slot`.
         let close = loop {
-            match parse(&mut buf, &mut slot, &mut fields) {
+            match parse(buf, &mut slot, &mut fields) {
                 Parsed::Request(close) => break close,
                 Parsed::Partial if buf.len() < MAX_HEAD => {}
                 Parsed::Partial | Parsed::Other => {
-                    return Ok(Served::Handoff(Rewind::new(stream, buf)));
+                    return Ok(Next::Handoff(std::mem::take(buf)));
                 }
                 Parsed::Malformed(why) => {
                     let mut resp = ProxyError::BadRequest(why).response();
-                    let mut sending = SendTimeout::new(&mut stream, client.send_timeout);
-                    write_response(&mut sending, &mut out, &mut resp, None, false, false, None)
-                        .await?;
-                    return Ok(Served::Closed);
+                    let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
+                    write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
+                    sending.flush().await?;
+                    return Ok(Next::Closed);
                 }
             }
-            let n = {
-                let mut reading = pin!(read_more(&mut stream, &mut buf));
-                poll_fn(|cx| {
-                    if let Poll::Ready(n) = reading.as_mut().poll(cx) {
-                        return Poll::Ready(Some(n));
-                    }
-                    // A dropped sender (the server gone) means the same.
-                    let stopping = if watching {
-                        signal.has_changed().unwrap_or(true)
-                    } else {
-                        watching = true;
-                        shutdown.as_mut().poll(cx).is_ready()
-                    };
-                    if stopping {
-                        Poll::Ready(None)
-                    } else {
-                        Poll::Pending
-                    }
-                })
-                .await
-            };
-            // None: shutting down; 0 bytes: the client closed.
-            if n.transpose()?.is_none_or(|n| n == 0) {
-                return Ok(Served::Closed);
+            // Reclaims the space of heads already served.
+            buf.reserve(if buf.is_empty() { 4096 } else { 1024 });
+            // 0 bytes: the client closed.
+            if stream.read_buf(buf).await? == 0 {
+                return Ok(Next::Closed);
             }
         };
         // Made by `parse`, which said so.
         let Some(req) = &mut slot else {
-            return Ok(Served::Closed);
+            return Ok(Next::Closed);
         };
         let head_only = req.method() == Method::HEAD;
-        let in_flight = client.idle.clone().begin();
+        // None: closed at shutdown before the request began.
+        let Some(in_flight) = conn.begin() else {
+            return Ok(Next::Closed);
+        };
         // The request, or the client gone first (leaving no answer), each
         // polled where it is pinned (`select!` made more copies of the
         // request's future).
@@ -168,11 +211,11 @@ pub async fn serve(
                 req,
                 Some(&mut fields),
                 client.peer,
-                client.keys,
-                Some(timer.as_mut()),
+                &client.keys,
+                Some(Lent::timer(timer, &client.proxy)),
                 &mut answer,
             ));
-            let mut gone = pin!(client_gone(&mut stream, &mut buf));
+            let mut gone = pin!(client_gone(&mut *stream, &mut *buf));
             poll_fn(|cx| match handling.as_mut().poll(cx) {
                 Poll::Ready(()) => Poll::Ready(()),
                 Poll::Pending => gone.as_mut().poll(cx),
@@ -180,74 +223,118 @@ pub async fn serve(
             .await;
         }
         let Some(Answer { resp, limits }) = &mut answer else {
-            return Ok(Served::Closed);
+            return Ok(Next::Closed);
         };
-        let keep = !close && !signal.has_changed().unwrap_or(true);
+        let keep = !close && !conn.stopping();
         // A client that takes no bytes for the timeout fails the write: the
         // connection ends, and the answer's upstream exchange with it. One
         // that closes while the body waits for the upstream ends it too:
         // the body (and what it holds: a concurrency slot, a metered
         // charge) is not kept for a client that is gone.
-        let (mut reading, writing) = stream.split();
-        let mut sending = SendTimeout::new(writing, client.send_timeout);
+        let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
         let again = write_response(
             &mut sending,
-            &mut out,
+            out,
             resp,
             limits.as_ref(),
             head_only,
             keep,
-            Some((&mut reading, &mut buf)),
+            Some(&mut *buf),
         )
         .await?;
-        // Dropped where they are (`drop` would copy them first), not kept
-        // while the connection waits.
+        // Dropped where they are (`drop` would copy them first).
         answer = None;
         slot = None;
         fields.clear();
         drop(in_flight);
         if !again {
-            return Ok(Served::Closed);
+            return Ok(Next::Closed);
         }
-        // A large body's copy is not kept for the connection's life.
+        if buf.is_empty() {
+            return Ok(Next::Idle);
+        }
+        // A large body's copy is not kept while pipelined requests are served.
+        if out.capacity() > 4 * COPY_LIMIT {
+            *out = Vec::new();
+        }
+    }
+}
+
+/// What an exchange works with: the buffers it reads requests into and
+/// writes answers from, and the timer of its requests' upstream deadline.
+#[derive(Default)]
+struct Buffers {
+    read: BytesMut,
+    out: Vec<u8>,
+    /// Made for each request, a timer is put in the runtime's timer wheel
+    /// and taken out again; kept, it moves about once per
+    /// `upstream_timeout` (see `proxy::within`). It
+    /// may wake the task of its last request once, to no effect. It serves
+    /// only connections of the server it was made for: a server runs on one
+    /// runtime, and a timer cannot move to another.
+    timer: Option<(Weak<Proxy>, Pin<Box<Sleep>>)>,
+}
+
+/// A thread's spare [`Buffers`], lent to an exchange and given back when it
+/// ends however it ends. Under load each exchange uses what the last one
+/// used, still in cache; spares are kept, not freed, as making them costs
+/// allocations (the read buffer, its shared header once a request's head is
+/// split off it, the answer's growing to its size) and the timer's moves.
+struct Lent(Buffers);
+
+impl Lent {
+    fn take(proxy: &Arc<Proxy>) -> Lent {
+        let mut lent = SPARE
+            .with_borrow_mut(|spare| spare.pop())
+            .unwrap_or_default();
+        let theirs = |(server, _): &(Weak<Proxy>, _)| !std::ptr::eq(server.as_ptr(), &**proxy);
+        if lent.timer.as_ref().is_some_and(theirs) {
+            lent.timer = None;
+        }
+        Lent(lent)
+    }
+
+    /// The timer, made for `proxy`'s connections if there was none.
+    fn timer<'t>(
+        timer: &'t mut Option<(Weak<Proxy>, Pin<Box<Sleep>>)>,
+        proxy: &Arc<Proxy>,
+    ) -> Pin<&'t mut Sleep> {
+        let (_, timer) = timer.get_or_insert_with(|| {
+            // Its first deadline has passed: the first request moves it.
+            (
+                Arc::downgrade(proxy),
+                Box::pin(tokio::time::sleep(Duration::ZERO)),
+            )
+        });
+        timer.as_mut()
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let Buffers {
+            mut read,
+            mut out,
+            timer,
+        } = std::mem::take(&mut self.0);
+        read.clear();
+        out.clear();
+        // A large body's copy is not kept.
         if out.capacity() > 4 * COPY_LIMIT {
             out = Vec::new();
         }
-    }
-}
-
-/// Reads more of the client's bytes into `buf`. An empty `buf` goes back to
-/// the thread's spare buffers while the connection waits, and one is taken
-/// once there is something to read: an idle keep-alive connection holds no
-/// read buffer (as with nginx), and under load each request reads into the
-/// buffer the last one used, still in cache, not its connection's own, cold
-/// since that connection's last request. Spares are kept, not freed, as
-/// making one costs two allocations (the buffer, and its shared header once
-/// a request's head is split off it).
-async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
-    if buf.is_empty() {
-        SPARE.with_borrow_mut(|spare| {
-            let old = std::mem::take(buf);
-            if old.capacity() > 0 && spare.len() < MAX_SPARE {
-                spare.push(old);
+        // At the thread's end the spares may be gone already.
+        let _ = SPARE.try_with(|spare| {
+            let mut spare = spare.borrow_mut();
+            if read.capacity() > 0 && spare.len() < MAX_SPARE {
+                spare.push(Buffers { read, out, timer });
             }
         });
-        // `poll_read_ready`, not `readable()`: the same wait as a read's,
-        // without a waiter list entry (about 200 instructions a request).
-        poll_fn(|cx| stream.poll_read_ready(cx)).await?;
-        *buf = SPARE
-            .with_borrow_mut(|spare| spare.pop())
-            .unwrap_or_default();
-        buf.reserve(4096);
-    } else {
-        // Reclaims the space of heads already served.
-        buf.reserve(1024);
     }
-    stream.read_buf(buf).await
 }
 
-/// Spare read buffers kept per thread (see `read_more`): enough for the
-/// connections one thread serves at once under load; above it they are freed.
+/// Spare buffers kept per thread (see [`Lent`]): enough for the connections
+/// one thread serves at once under load; above it they are freed.
 const MAX_SPARE: usize = 256;
 
 /// How many spare read buffers this thread holds: for tests, which run the
@@ -286,6 +373,16 @@ fn parse(
     let (len, method, target) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read) {
         Some(line) => (line.len, line.method, line.target),
         None => {
+            // The HTTP/2 preface, from a TLS client that chose no protocol
+            // (on plain TCP the server looks first): hyper's to serve.
+            let start = &buf[..buf.len().min(H2_PREFACE.len())];
+            if H2_PREFACE.starts_with(start) {
+                return if start.len() < H2_PREFACE.len() {
+                    Parsed::Partial
+                } else {
+                    Parsed::Other
+                };
+            }
             read.clear();
             match parse_other(buf, &mut read) {
                 Ok(line) => line,
@@ -414,7 +511,7 @@ fn build(
 /// Resolves when the client closes its side (or its connection fails) while
 /// a request is in flight. Bytes it sends meanwhile (the next request,
 /// pipelined) are kept in `buf`, up to [`MAX_HEAD`].
-async fn client_gone<R: AsyncRead + Unpin>(stream: &mut R, buf: &mut BytesMut) {
+async fn client_gone<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut BytesMut) {
     loop {
         if buf.len() >= MAX_HEAD {
             return std::future::pending().await;
@@ -441,16 +538,17 @@ enum Framing {
 /// Writes `resp` (lent: moved, it was copied twice); `Ok(true)` when it
 /// went out whole and framed and neither side asked to close (`keep` false:
 /// the client did, or shutdown), so the connection can take another request.
-/// `client`: the connection's read side and buffer, watched while the body
-/// waits for more (see [`client_gone`]): a client that closes ends it.
-async fn write_response<W: AsyncWrite + Unpin>(
+/// `watch`: the connection's read buffer; the connection is watched while
+/// the body waits for more (see [`client_gone`]): a client that closes
+/// ends it.
+async fn write_response<W: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut W,
     out: &mut Vec<u8>,
     resp: &mut Response<Body>,
     limits: Option<&Limits>,
     head_only: bool,
     keep: bool,
-    mut client: Option<(&mut tokio::net::tcp::ReadHalf<'_>, &mut BytesMut)>,
+    mut watch: Option<&mut BytesMut>,
 ) -> io::Result<bool> {
     let fields = match resp.body_mut() {
         Either::Left(body) => body.take_fields(),
@@ -554,9 +652,9 @@ async fn write_response<W: AsyncWrite + Unpin>(
             Poll::Pending => {
                 flush(stream, out).await?;
                 let next = poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx));
-                match &mut client {
-                    Some((reading, buf)) => {
-                        let mut gone = pin!(client_gone(&mut **reading, buf));
+                match &mut watch {
+                    Some(buf) => {
+                        let mut gone = pin!(client_gone(&mut *stream, buf));
                         let mut next = pin!(next);
                         let frame = poll_fn(|cx| match next.as_mut().poll(cx) {
                             Poll::Ready(frame) => Poll::Ready(Some(frame)),
@@ -657,7 +755,7 @@ async fn flush<W: AsyncWrite + Unpin>(stream: &mut W, out: &mut Vec<u8>) -> io::
 }
 
 thread_local! {
-    static SPARE: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
+    static SPARE: RefCell<Vec<Buffers>> = const { RefCell::new(Vec::new()) };
     static DATE: RefCell<Date> = const { RefCell::new(Date { second: 0, text: [0; 29] }) };
 }
 
@@ -685,18 +783,18 @@ impl Date {
 /// A client connection handed to hyper: the bytes read and not used come
 /// first, then the stream.
 #[derive(Debug)]
-pub struct Rewind {
+pub struct Rewind<S> {
     first: BytesMut,
-    stream: TcpStream,
+    stream: S,
 }
 
-impl Rewind {
-    fn new(stream: TcpStream, first: BytesMut) -> Rewind {
+impl<S> Rewind<S> {
+    pub fn new(stream: S, first: BytesMut) -> Rewind<S> {
         Rewind { first, stream }
     }
 }
 
-impl AsyncRead for Rewind {
+impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -712,7 +810,7 @@ impl AsyncRead for Rewind {
     }
 }
 
-impl AsyncWrite for Rewind {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

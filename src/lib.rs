@@ -4,9 +4,10 @@
 //!
 //! - [`server`]: accepts connections, HTTP/1.1 and HTTP/2, graceful shutdown;
 //!   [`server::run`] is the whole program minus the command line.
-//! - [`front`]: sluice's own HTTP/1.1 server for the usual request on plain
-//!   TCP; it hands anything else to hyper's.
-//! - [`idle`]: closes client connections that have no request going.
+//! - [`front`]: sluice's own HTTP/1.1 server for the usual request, on
+//!   plain TCP and TLS; it hands anything else to hyper's.
+//! - [`idle`]: the client connections: closed when idle for too long, and
+//!   at shutdown.
 //! - [`stall`]: cuts clients that stop reading (`client_send_timeout`).
 //! - [`coalesce`]: small vectored writes sent as one buffer (plain TCP).
 //! - [`graceful`]: shutdown that lets requests in flight finish.

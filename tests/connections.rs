@@ -76,6 +76,34 @@ async fn past_max_connections_new_clients_wait_in_the_backlog() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
 }
 
+/// An idle keep-alive connection is one task (and its socket): the server
+/// closes idle ones by looking at all of them a tick at a time, with no
+/// timer task beside each (about 400 bytes a connection when there was one).
+/// The read buffers idle connections give back are counted in proxy.rs.
+#[tokio::test]
+async fn an_idle_keep_alive_connection_is_one_task() {
+    let s = Sluice::start(RESPOND).await;
+    let tasks = || {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    };
+    // Once a request is answered, the server's own tasks have started.
+    let mut idle = vec![TcpStream::connect(s.addr).await.unwrap()];
+    assert!(ask(&mut idle[0]).await.unwrap().starts_with("HTTP/1.1 200"));
+    let before = tasks();
+    for _ in 0..20 {
+        let mut c = TcpStream::connect(s.addr).await.unwrap();
+        assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
+        idle.push(c);
+    }
+    assert_eq!(tasks() - before, 20);
+    // Still served.
+    for c in &mut idle {
+        assert!(ask(c).await.unwrap().starts_with("HTTP/1.1 200"));
+    }
+}
+
 /// An upstream that answers every request with an endless body (a 1 GiB
 /// `Content-Length`, written as fast as it is taken); the flag turns true
 /// once sluice has closed such an exchange.

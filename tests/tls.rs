@@ -225,3 +225,124 @@ async fn alpn_h2_speaks_http2_from_the_first_byte() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A TLS connection to `addr` trusting `cert`, offering `alpn` (none if
+/// empty).
+async fn tls_connect(
+    addr: std::net::SocketAddr,
+    cert: &std::path::Path,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let mut config = sluice::tls::client_config(Some(cert)).unwrap();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    connector.connect(name, tcp).await.unwrap()
+}
+
+/// Reads an answer's head (and what came with it) from `s`, within 5 s.
+async fn head_of<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut chunk = [0u8; 1024];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut chunk));
+        let n = read.await.expect("an answer in time").unwrap();
+        assert!(n > 0, "closed before answering: {got:?}");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// HTTP/1.1 over TLS, with ALPN or without, is served by sluice's own server:
+/// a connection waiting for its next request gives its read buffer back, as
+/// one on plain TCP does (see proxy.rs; hyper's server kept about 16 KB of
+/// buffers per idle connection). Without ALPN, an HTTP/2 client's preface is
+/// still handed to hyper's server.
+#[tokio::test]
+async fn idle_tls_http1_connections_hold_no_read_buffer() {
+    use tokio::io::AsyncWriteExt;
+    let dir = temp_dir("tls-idle");
+    let (cert, key) = certificate(&dir);
+    let up = Upstream::start().await;
+    let cfg = format!(
+        "[server]\nupstream_timeout = \"5s\"\n[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n{}",
+        cert.display(),
+        key.display(),
+        proxy_to(&up.url())
+    );
+    let s = Sluice::start(&cfg).await;
+    let before = sluice::front::spare_read_buffers();
+    // Three requests held by the upstream at once need three buffers; once
+    // all three connections wait for their next request, the three are spare.
+    let mut conns = Vec::new();
+    for (i, alpn) in [&[&b"http/1.1"[..]][..], &[b"http/1.1"], &[]]
+        .into_iter()
+        .enumerate()
+    {
+        let mut c = tls_connect(s.addr, &cert, alpn).await;
+        c.write_all(format!("GET /slow/500?{i} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        conns.push(c);
+    }
+    for c in &mut conns {
+        let head = head_of(c).await;
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+    }
+    let want = before.max(3);
+    wait_until(|| sluice::front::spare_read_buffers() == want).await;
+    // Still served after waiting.
+    for c in &mut conns {
+        c.write_all(b"GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let head = head_of(c).await;
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+    }
+
+    let mut h2 = tls_connect(s.addr, &cert, &[]).await;
+    h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut first = [0u8; 9];
+    let read = tokio::io::AsyncReadExt::read_exact(&mut h2, &mut first);
+    tokio::time::timeout(std::time::Duration::from_secs(5), read)
+        .await
+        .expect("an answer in time")
+        .unwrap();
+    assert_eq!(first[3], 0x4, "the server's SETTINGS first: {first:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A TLS connection sluice closes after its answer (the client said
+/// `Connection: close`) ends with TLS's close_notify, as hyper's server ends
+/// it: a client can tell the end it was meant from a cut connection.
+#[tokio::test]
+async fn a_tls_connection_closed_after_its_answer_says_so_in_tls() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = temp_dir("tls-close");
+    let (cert, key) = certificate(&dir);
+    let cfg = format!(
+        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
+        cert.display(),
+        key.display()
+    );
+    let s = Sluice::start(&cfg).await;
+    let mut c = tls_connect(s.addr, &cert, &[b"http/1.1"]).await;
+    c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(5), c.read_to_end(&mut all));
+    // Without close_notify rustls reports an unexpected end.
+    read.await
+        .expect("closed in time")
+        .expect("closed with close_notify");
+    let text = String::from_utf8_lossy(&all);
+    assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+    assert!(text.ends_with("\r\n\r\nhi"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}

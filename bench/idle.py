@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Memory per idle keep-alive client connection: sluice against nginx.
+
+    python3 bench/idle.py [--conns N] [--rounds R] [--protocols h1,h1-tls,h2c,h2-tls]
+                          [--sluice NAME=BINARY ...]
+
+Each proxy runs one worker in front of the same upstream (nginx, `return 200
+"ok"`). For each round, protocol and proxy, a fresh proxy process is started
+and warmed (a few hundred connections, each one request, then closed); its
+resident memory (VmRSS) is read; then N client connections (default 10,000)
+each send one GET, read the whole answer, and stay open, idle; after a
+second to settle, VmRSS is read again. Reported: the growth divided by N, per
+proxy and protocol, the median over the rounds, and sluice's ratio to nginx's
+(the median of each round's ratio: the setups of a round run back to back).
+
+Protocols: `h1` (HTTP/1.1 on plain TCP), `h1-tls` (ALPN http/1.1), `h2c`
+(HTTP/2 with prior knowledge) and `h2-tls` (ALPN h2). The HTTP/2 client is a
+few hand-made frames: one stream, then the connection idles.
+
+sluice is `target/release/sluice` unless `--sluice` names binaries (several
+may be compared, e.g. a build of main against a branch's). The open files
+limit is raised to its hard limit; it must exceed N plus a few hundred.
+Needs nginx and openssl (for the TLS protocols' self-signed certificate).
+"""
+
+import argparse
+import os
+import resource
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROTOCOLS = ["h1", "h1-tls", "h2c", "h2-tls"]
+WARM = 300
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_port(port, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def children(pid):
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def nginx_conf(dir_, name, nofile, body):
+    """One nginx worker, keep-alive as in bench/bench.py (a client connection
+    may idle for five minutes), room for every connection of the run."""
+    conf = os.path.join(dir_, f"nginx-{name}.conf")
+    with open(conf, "w") as f:
+        f.write(f"""worker_processes 1;
+worker_rlimit_nofile {nofile};
+daemon off;
+pid {dir_}/nginx-{name}.pid;
+error_log {dir_}/nginx-{name}.log error;
+events {{ worker_connections {nofile}; multi_accept on; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  keepalive_timeout 300s;
+  {body}
+}}
+""")
+    return conf
+
+
+def proxy_nginx_body(port, up, proto, cert):
+    listen = {
+        "h1": "",
+        "h1-tls": " ssl",
+        "h2c": " http2",
+        "h2-tls": " ssl http2",
+    }[proto]
+    tls = f"ssl_certificate {cert[0]}; ssl_certificate_key {cert[1]}; " if "tls" in proto else ""
+    return (f"upstream api {{ server 127.0.0.1:{up}; keepalive 1024; keepalive_requests 1000000; "
+            f"keepalive_timeout 300s; }} "
+            f"server {{ listen 127.0.0.1:{port}{listen}; {tls}http2_idle_timeout 300s; "
+            f'location / {{ proxy_pass http://api; proxy_http_version 1.1; proxy_set_header Connection ""; }} }}')
+
+
+def sluice_conf(dir_, name, port, up, proto, cert):
+    tls = f'[server.tls]\ncert = "{cert[0]}"\nkey = "{cert[1]}"\n' if "tls" in proto else ""
+    path = os.path.join(dir_, f"{name}-{proto}.toml")
+    with open(path, "w") as f:
+        f.write(f"""[server]
+listen = "127.0.0.1:{port}"
+workers = 1
+header_timeout = "300s"
+max_connections = 65536
+max_upstream_per_client = 1000000
+{tls}
+[upstreams.api]
+url = "http://127.0.0.1:{up}"
+
+[[routes]]
+path = "/"
+upstream = "api"
+""")
+    return path
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def frame(kind, flags, stream, payload=b""):
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+# GET http://x/ on stream 1, ended: :method GET, :scheme http or https, :path
+# / (static table entries), :authority "x" (a literal with an indexed name).
+def h2_request(https):
+    block = bytes([0x82, 0x87 if https else 0x86, 0x84, 0x41, 1]) + b"x"
+    return H2_PREFACE + frame(4, 0, 0) + frame(1, 0x5, 1, block)
+
+
+def read_exact(s, n):
+    data = b""
+    while len(data) < n:
+        got = s.recv(n - len(data))
+        if not got:
+            raise RuntimeError("the connection closed before the answer ended")
+        data += got
+    return data
+
+
+def h1_exchange(s):
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = s.recv(4096)
+        if not got:
+            raise RuntimeError("the connection closed before the answer's head")
+        data += got
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"unexpected answer: {head[:80]!r}")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    if len(body) < length:
+        read_exact(s, length - len(body))
+
+
+def h2_exchange(s, https):
+    s.sendall(h2_request(https))
+    while True:
+        header = read_exact(s, 9)
+        length = int.from_bytes(header[:3], "big")
+        kind, flags = header[3], header[4]
+        stream = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+        read_exact(s, length)
+        if kind == 4 and not flags & 1:
+            s.sendall(frame(4, 1, 0))
+        elif kind == 7:
+            raise RuntimeError("GOAWAY")
+        elif stream == 1 and kind in (0, 1) and flags & 1:
+            return
+
+
+def open_conns(port, proto, n):
+    ctx = None
+    if "tls" in proto:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols(["h2"] if proto == "h2-tls" else ["http/1.1"])
+    conns = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ctx:
+            s = ctx.wrap_socket(s, server_hostname="localhost")
+        if proto.startswith("h2"):
+            h2_exchange(s, ctx is not None)
+        else:
+            h1_exchange(s)
+        conns.append(s)
+    return conns
+
+
+def measure(start, port, proto, n):
+    """Starts a proxy (`start` returns its process and the pid whose memory
+    counts), warms it, and returns its VmRSS growth per idle connection in
+    bytes."""
+    proc, pid = start()
+    try:
+        wait_port(port)
+        for s in open_conns(port, proto, WARM):
+            s.close()
+        time.sleep(1)
+        before = rss_kib(pid)
+        conns = open_conns(port, proto, n)
+        time.sleep(1)
+        after = rss_kib(pid)
+        if proc.poll() is not None:
+            raise RuntimeError("the proxy exited")
+        for s in conns:
+            s.close()
+        return (after - before) * 1024 / n
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conns", type=int, default=10_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--protocols", default="h1", help=f"comma-separated, of {','.join(PROTOCOLS)}")
+    ap.add_argument("--sluice", action="append", default=[], metavar="NAME=BINARY")
+    args = ap.parse_args()
+    protocols = args.protocols.split(",")
+    for p in protocols:
+        if p not in PROTOCOLS:
+            sys.exit(f"unknown protocol {p!r}: one of {', '.join(PROTOCOLS)}")
+    sluices = [tuple(s.split("=", 1)) for s in args.sluice] or [
+        ("sluice", os.path.join(ROOT, "target", "release", "sluice"))]
+    for name, binary in sluices:
+        if not os.access(binary, os.X_OK):
+            sys.exit(f"{name}: {binary} is not an executable (cargo build --release?)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    nofile = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+    if nofile < args.conns + 1024:
+        sys.exit(f"the open files limit ({nofile}) must be at least {args.conns + 1024}")
+
+    tmp = tempfile.mkdtemp(prefix="sluice-idle-")
+    upstream = None
+    try:
+        cert = (os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem"))
+        if any("tls" in p for p in protocols):
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                            "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
+                            "/CN=localhost", "-keyout", cert[1], "-out", cert[0]],
+                           check=True, capture_output=True)
+        up = free_port()
+        upstream = subprocess.Popen(
+            ["nginx", "-c", nginx_conf(tmp, "upstream", nofile,
+                                       f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}')],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(up)
+        setups = ["nginx"] + [name for name, _ in sluices]
+        results = {(s, p): [] for s in setups for p in protocols}
+        for rnd in range(args.rounds):
+            # Each round starts one setup later (see bench/bench.py).
+            shift = rnd % len(setups)
+            order = setups[shift:] + setups[:shift]
+            for proto in protocols:
+                for s in order:
+                    port = free_port()
+                    if s == "nginx":
+                        conf = nginx_conf(tmp, f"proxy-{proto}", nofile,
+                                          proxy_nginx_body(port, up, proto, cert))
+
+                        def start(conf=conf):
+                            master = subprocess.Popen(["nginx", "-c", conf], stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.DEVNULL)
+                            deadline = time.time() + 10
+                            while not children(master.pid):
+                                if time.time() > deadline:
+                                    raise RuntimeError("nginx started no worker")
+                                time.sleep(0.05)
+                            return master, children(master.pid)[0]
+                    else:
+                        binary = dict(sluices)[s]
+                        conf = sluice_conf(tmp, s, port, up, proto, cert)
+
+                        def start(binary=binary, conf=conf):
+                            p = subprocess.Popen([binary, "--config", conf], stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"))
+                            return p, p.pid
+                    per_conn = measure(start, port, proto, args.conns)
+                    results[(s, proto)].append(per_conn)
+                    print(f"round {rnd + 1} {proto:7} {s:14} {per_conn:8.0f} bytes per idle connection",
+                          flush=True)
+        print()
+        print(f"{'protocol':9}{'setup':15}{'bytes/conn':>11}{'x nginx':>9}")
+        for proto in protocols:
+            for s in setups:
+                rs = results[(s, proto)]
+                ratio = statistics.median(r / n for r, n in zip(rs, results[("nginx", proto)]))
+                print(f"{proto:9}{s:15}{statistics.median(rs):11.0f}{ratio:9.2f}")
+        print(f"\nmedians of {args.rounds} round(s); {args.conns} connections, each one GET, then idle; "
+              f"growth of VmRSS after {WARM} warm-up connections; ratio: the median of each round's ratio")
+    finally:
+        if upstream:
+            upstream.send_signal(signal.SIGTERM)
+            upstream.wait(timeout=15)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
