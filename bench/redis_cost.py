@@ -29,6 +29,10 @@ key is shared within a call. For it and for one decision a call, the
 redis-server process's own CPU (utime + stime) per decision is given too:
 what batching saves is mostly outside the script (reading and parsing
 commands, setting a call up, answering it), which `usec_per_call` leaves out.
+Last, one busy identity (as one client sending many requests at once, or a
+`global` limit): its decisions one a call, and BATCH a call, on two more
+servers, with Redis TIME as the clock (sluice's default) and limits high
+enough never to refuse; redis-server's process CPU per decision for each.
 
     python3 bench/redis_cost.py [IDENTITIES [BATCH]]   # needs redis-server and `pip install redis`
 """
@@ -144,10 +148,7 @@ class Replay:
             pipe.execute()
 
     def cpu(self):
-        """The server process's CPU seconds so far (utime + stime)."""
-        with open("/proc/%d/stat" % self.server.pid) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_of(self.server)
 
     def usec_per_call(self):
         """Per decision: a batched call's divided by the decisions it holds
@@ -232,6 +233,52 @@ def seed_call(script, pipe, i, ip, now):
     script(keys=["seed:" + ip], args=[SEED_LIMITS, now / 1000, 1], client=pipe)
 
 
+# The policy's limits, high enough that one identity's decisions all pass.
+BUSY_SPEC = b"".join(struct.pack(">BBdddQ", 1, alg, 1e9, window, param, tag(lid))
+                     for (_, window, alg, param, lid) in LIMITS)
+
+
+def busy_identity(decisions=100000, spells=3):
+    """One identity's decisions on two fresh servers, one a call and BATCH a
+    call, 500 a pipeline, the two interleaved; each spell's process CPU
+    microseconds per decision (one a call, batched)."""
+    single, batched = start_redis(), start_redis()
+    try:
+        key = key_for(ip_of(0))
+        one = single[1].register_script(open(os.path.join(ROOT, "lua", "acquire.lua")).read())
+        many = batched[1].register_script(batch_text())
+        arg = lambda n: struct.pack(">Bddd", 1, -1, 1, n) + BUSY_SPEC
+        out = []
+        for spell in range(spells + 1):
+            cpu = [cpu_of(single[0]), cpu_of(batched[0])]
+            for first in range(0, decisions, 500):
+                p = single[1].pipeline(transaction=False)
+                for n in range(first, first + 500):
+                    one(keys=[key], args=[arg(n)], client=p)
+                p.execute()
+                p = batched[1].pipeline(transaction=False)
+                for n in range(first, first + 500, BATCH):
+                    # Every decision's key is the same one: the first byte says so.
+                    many(keys=[key] * BATCH, args=[bytes([1] + [1] * BATCH)] + [arg(n + j) for j in range(BATCH)],
+                         client=p)
+                p.execute()
+            # (The first spell only fills the key.)
+            if spell:
+                out.append(tuple((cpu_of(srv[0]) - c) * 1e6 / decisions for srv, c in zip((single, batched), cpu)))
+        return out
+    finally:
+        for server, _ in (single, batched):
+            server.terminate()
+            server.wait()
+
+
+def cpu_of(server):
+    """A server process's CPU seconds so far (utime + stime)."""
+    with open("/proc/%d/stat" % server.pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main():
     # Stopped by bench.py (or a user) with SIGTERM: through the `finally`
     # below, which stops the Redis servers.
@@ -277,6 +324,11 @@ def main():
           " batched by %d = %.2fx (the quietest spell; the ratio the median of the spells'; each spell: %s)"
           % (one, many, BATCH, statistics.median(b / u for u, b in process),
              ", ".join("%.2f; %.2f" % p for p in process)))
+    busy = busy_identity()
+    one, many = min(busy)
+    print("redis process CPU per decision, one busy identity: %.2f us one a call, %.2f us batched by %d = %.2fx"
+          " (the quietest spell; the ratio the median of the spells'; each spell: %s)"
+          % (one, many, BATCH, statistics.median(b / u for u, b in busy), ", ".join("%.2f; %.2f" % p for p in busy)))
     print("redis memory per identity (hour window full): %d bytes = %.2fx the seed reference (%d bytes)"
           % (size, size / ref_size, ref_size))
 
