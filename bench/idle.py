@@ -13,9 +13,16 @@ second to settle, VmRSS is read again. Reported: the growth divided by N, per
 proxy and protocol, the median over the rounds, and sluice's ratio to nginx's
 (the median of each round's ratio: the setups of a round run back to back).
 
+nginx also makes and touches a slot (its connection and event structures)
+for each of its `worker_connections` when it starts, used or not: memory its
+growth does not show. Printed last: that per slot, from an idle worker's
+VmRSS with many slots against 1024.
+
 Protocols: `h1` (HTTP/1.1 on plain TCP), `h1-tls` (ALPN http/1.1), `h2c`
-(HTTP/2 with prior knowledge) and `h2-tls` (ALPN h2). The HTTP/2 client is a
-few hand-made frames: one stream, then the connection idles.
+(HTTP/2 with prior knowledge), `h2-tls` (ALPN h2), and `h1-post` (HTTP/1.1
+on plain TCP, a POST with a one-byte body: sluice hands such a connection to
+hyper's server). The HTTP/2 client is a few hand-made frames: one stream,
+then the connection idles.
 
 sluice is `target/release/sluice` unless `--sluice` names binaries (several
 may be compared, e.g. a build of main against a branch's). The open files
@@ -37,7 +44,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROTOCOLS = ["h1", "h1-tls", "h2c", "h2-tls"]
+PROTOCOLS = ["h1", "h1-tls", "h2c", "h2-tls", "h1-post"]
 WARM = 300
 
 
@@ -97,6 +104,7 @@ http {{
 def proxy_nginx_body(port, up, proto, cert):
     listen = {
         "h1": "",
+        "h1-post": "",
         "h1-tls": " ssl",
         "h2c": " http2",
         "h2-tls": " ssl http2",
@@ -153,8 +161,9 @@ def read_exact(s, n):
     return data
 
 
-def h1_exchange(s):
-    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+def h1_exchange(s, post=False):
+    s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx" if post
+              else b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     data = b""
     while b"\r\n\r\n" not in data:
         got = s.recv(4096)
@@ -202,9 +211,29 @@ def open_conns(port, proto, n):
         if proto.startswith("h2"):
             h2_exchange(s, ctx is not None)
         else:
-            h1_exchange(s)
+            h1_exchange(s, post=proto == "h1-post")
         conns.append(s)
     return conns
+
+
+def nginx_worker_rss(tmp, name, nofile, connections):
+    """VmRSS (KiB) of an idle nginx worker started with `connections` slots."""
+    port = free_port()
+    conf = nginx_conf(tmp, name, nofile, f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok"; }} }}')
+    conf_text = open(conf).read().replace(f"worker_connections {nofile};", f"worker_connections {connections};")
+    with open(conf, "w") as f:
+        f.write(conf_text)
+    master = subprocess.Popen(["nginx", "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # The master listens before its worker has made its slots: an
+        # answer is the worker's.
+        wait_port(port)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            h1_exchange(s)
+        return rss_kib(children(master.pid)[0])
+    finally:
+        master.send_signal(signal.SIGTERM)
+        master.wait(timeout=15)
 
 
 def measure(start, port, proto, n):
@@ -315,6 +344,13 @@ def main():
                 print(f"{proto:9}{s:15}{statistics.median(rs):11.0f}{ratio:9.2f}")
         print(f"\nmedians of {args.rounds} round(s); {args.conns} connections, each one GET, then idle; "
               f"growth of VmRSS after {WARM} warm-up connections; ratio: the median of each round's ratio")
+        # nginx makes and touches a slot for each of its worker_connections at
+        # start: memory its growth does not show.
+        small, large = 1024, nofile
+        slot = ((nginx_worker_rss(tmp, "slots-large", nofile, large) - nginx_worker_rss(tmp, "slots-small", nofile, small))
+                * 1024 / (large - small))
+        print(f"nginx also holds {slot:.0f} bytes per worker_connections slot from its start, used or not "
+              f"(idle worker's VmRSS with {large} slots against {small})")
     finally:
         if upstream:
             upstream.send_signal(signal.SIGTERM)

@@ -806,6 +806,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
         let n = self.first.len().min(buf.remaining());
         buf.put_slice(&self.first[..n]);
         self.first.advance(n);
+        // The read buffer they came in is not kept for the connection's life.
+        if self.first.is_empty() {
+            self.first = BytesMut::new();
+        }
         Poll::Ready(Ok(()))
     }
 }
@@ -842,3 +846,22 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
 
 #[cfg(test)]
 mod props;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bytes handed to hyper are read first, and the buffer they came
+    /// in is let go once they are: hyper keeps the connection for its life.
+    #[tokio::test]
+    async fn rewind_gives_its_bytes_then_lets_its_buffer_go() {
+        let mut first = BytesMut::with_capacity(4096);
+        first.extend_from_slice(b"POST / HTTP/1.1\r\n");
+        let mut rewind = Rewind::new(tokio::io::empty(), first);
+        let mut got = [0u8; 64];
+        let n = rewind.read(&mut got).await.unwrap();
+        assert_eq!(&got[..n], b"POST / HTTP/1.1\r\n");
+        assert_eq!(rewind.first.capacity(), 0);
+        assert_eq!(rewind.read(&mut got).await.unwrap(), 0);
+    }
+}

@@ -268,15 +268,6 @@ impl Connections {
             conn.close_if_idle(|| true);
         }
     }
-
-    /// Connections whose task has not been seen to end (tests).
-    pub fn len(&self) -> usize {
-        self.list().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// Held by a connection's task: marks its end however the task ends (an
