@@ -49,6 +49,8 @@ import time
 
 import redis
 
+from bench import free_port  # the bench's own helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDENTITIES = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
 # Decisions a batched call holds: about what sluice's connection gathers at
@@ -70,14 +72,6 @@ def tag(limit_id):
 # The counters argument: the same for every identity (one key).
 SPEC = b"".join(struct.pack(">BBdddQ", 1, alg, limit, window, param, tag(lid))
                 for (limit, window, alg, param, lid) in LIMITS)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def ip_of(i):
