@@ -12,13 +12,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice::clock::Clock;
-use sluice::config::{Algorithm, Backend, ClockSource, HeaderStyle, OnError, StoreConfig};
+use sluice::config::{Algorithm, ClockSource, HeaderStyle};
 use sluice::limiter::{KeyCache, Limiter, Verdict};
 use sluice::proxy::Limits;
 use sluice::store::memory::MemoryStore;
 use sluice::store::redis::RedisStore;
 use sluice::store::{Counter, Ends, Memo, Outcome, Store};
-use support::{RedisCluster, RedisServer};
+use support::{RedisCluster, RedisServer, store_at, store_with_clock};
 
 /// A small deterministic PRNG (xorshift64*): reproducible random sequences.
 struct Rng(u64);
@@ -37,31 +37,6 @@ impl Rng {
 
 fn redis_store(redis: &RedisServer, prefix: &str) -> RedisStore {
     store_at(Some(redis.url()), Vec::new(), prefix)
-}
-
-fn store_at(url: Option<String>, cluster: Vec<String>, prefix: &str) -> RedisStore {
-    store_with_clock(url, cluster, prefix, ClockSource::Local)
-}
-
-fn store_with_clock(
-    url: Option<String>,
-    cluster: Vec<String>,
-    prefix: &str,
-    clock: ClockSource,
-) -> RedisStore {
-    RedisStore::new(&StoreConfig {
-        backend: Backend::Redis,
-        url,
-        cluster,
-        timeout: Duration::from_secs(2),
-        ca: None,
-        on_error: OnError::Deny,
-        clock,
-        prefix: prefix.to_string(),
-        deny_cache: false,
-        max_keys: 1_000_000,
-    })
-    .unwrap()
 }
 
 fn counter(id: &str, limit: u64, window_ms: u64, algorithm: Algorithm) -> Counter {

@@ -11,10 +11,10 @@ use std::time::Duration;
 use futures_util::future::maybe_done;
 use http::StatusCode;
 use sluice::clock::Clock;
-use sluice::config::{Algorithm, Backend, ClockSource, OnError, StoreConfig};
+use sluice::config::Algorithm;
 use sluice::store::redis::RedisStore;
 use sluice::store::{Counter, Memo, Outcome};
-use support::{RedisCluster, RedisServer, Sluice, Upstream, get};
+use support::{RedisCluster, RedisServer, Sluice, Upstream, get, store_at};
 
 /// xorshift64*: reproducible sequences.
 struct Rng(u64);
@@ -30,22 +30,6 @@ impl Rng {
 
 fn store(redis: &RedisServer, prefix: &str) -> RedisStore {
     store_at(Some(redis.url()), Vec::new(), prefix)
-}
-
-fn store_at(url: Option<String>, cluster: Vec<String>, prefix: &str) -> RedisStore {
-    RedisStore::new(&StoreConfig {
-        backend: Backend::Redis,
-        url,
-        cluster,
-        timeout: Duration::from_secs(2),
-        ca: None,
-        on_error: OnError::Deny,
-        clock: ClockSource::Local,
-        prefix: prefix.to_string(),
-        deny_cache: false,
-        max_keys: 1_000_000,
-    })
-    .unwrap()
 }
 
 fn counter(id: &str, limit: u64, window_ms: u64, algorithm: Algorithm) -> Counter {

@@ -981,3 +981,36 @@ pub fn h2_frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
     }
     frames
 }
+
+/// A Redis store for store-level tests, on a server (`url`) or a cluster
+/// (`cluster`'s seeds), its keys under `prefix`.
+pub fn store_with_clock(
+    url: Option<String>,
+    cluster: Vec<String>,
+    prefix: &str,
+    clock: sluice::config::ClockSource,
+) -> sluice::store::redis::RedisStore {
+    use sluice::config::{Backend, OnError, StoreConfig};
+    sluice::store::redis::RedisStore::new(&StoreConfig {
+        backend: Backend::Redis,
+        url,
+        cluster,
+        timeout: Duration::from_secs(2),
+        ca: None,
+        on_error: OnError::Deny,
+        clock,
+        prefix: prefix.to_string(),
+        deny_cache: false,
+        max_keys: 1_000_000,
+    })
+    .unwrap()
+}
+
+/// [`store_with_clock`] on the proxy's clock.
+pub fn store_at(
+    url: Option<String>,
+    cluster: Vec<String>,
+    prefix: &str,
+) -> sluice::store::redis::RedisStore {
+    store_with_clock(url, cluster, prefix, sluice::config::ClockSource::Local)
+}
