@@ -365,7 +365,7 @@ fn serve_tls<'a>(
             let io = SendTimeout::new(stream, conn.client.send_timeout);
             hyper.serve(io, Proto::Http2, conn.clone())
         }
-        Some(b"http/1.1") => Box::pin(tls_http1(stream, Proto::Http1, conn, hyper)),
+        Some(b"http/1.1" | b"http/1.0") => Box::pin(tls_http1(stream, Proto::Http1, conn, hyper)),
         _ => Box::pin(tls_http1(stream, Proto::Auto, conn, hyper)),
     }
 }

@@ -63,7 +63,9 @@ pub fn server_config(files: &TlsFiles) -> Result<Arc<rustls::ServerConfig>, TlsE
                 format!("certificate and key do not match: {e}"),
             )
         })?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // http/1.0 too, as nginx: a client that offers only it (curl --http1.0)
+    // is served, not refused with a `no_application_protocol` alert.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
     Ok(Arc::new(config))
 }
 

@@ -346,3 +346,27 @@ async fn a_tls_connection_closed_after_its_answer_says_so_in_tls() {
     assert!(text.ends_with("\r\n\r\nhi"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A client that offers only `http/1.0` in ALPN (`curl --http1.0`) is
+/// served, as nginx serves it, not refused with `no_application_protocol`.
+#[tokio::test]
+async fn an_http10_only_alpn_is_served() {
+    use tokio::io::AsyncWriteExt;
+    let dir = temp_dir("tls-http10");
+    let (cert, key) = certificate(&dir);
+    let cfg = format!(
+        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
+        cert.display(),
+        key.display()
+    );
+    let s = Sluice::start(&cfg).await;
+    let mut c = tls_connect(s.addr, &cert, &[b"http/1.0"]).await;
+    assert_eq!(c.get_ref().1.alpn_protocol(), Some(&b"http/1.0"[..]));
+    c.write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let head = head_of(&mut c).await;
+    assert!(head.starts_with("HTTP/1.0 200 OK\r\n"), "{head}");
+    std::fs::remove_dir_all(&dir).ok();
+}
