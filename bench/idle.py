@@ -325,7 +325,7 @@ def main():
                 rs = results[(s, proto)]
                 ratio = statistics.median(r / n for r, n in zip(rs, results[("nginx", proto)]))
                 print(f"{proto:9}{s:15}{statistics.median(rs):11.0f}{ratio:9.2f}")
-        print(f"\nmedians of {args.rounds} round(s); {args.conns} connections, each one GET, then idle; "
+        print(f"\nmedians of {args.rounds} round(s); {args.conns} connections, each one request, then idle; "
               f"growth of VmRSS after {WARM} warm-up connections; ratio: the median of each round's ratio")
         # nginx makes and touches a slot for each of its worker_connections at
         # start: memory its growth does not show.
