@@ -26,6 +26,17 @@ fn temp_dir(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("sluice-{name}-{}", std::process::id()))
 }
 
+/// A TLS config with the certificate `cert` and `key` whose one route
+/// answers `200 hi` itself.
+fn respond_hi(cert: &std::path::Path, key: &std::path::Path) -> String {
+    format!(
+        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
+        cert.display(),
+        key.display()
+    )
+}
+
 /// A real TLS client trusting `ca`, speaking HTTP/2 when ALPN offers it
 /// (`h2 = true`) or HTTP/1.1 only.
 fn tls_client(
@@ -139,12 +150,7 @@ async fn a_reload_puts_a_renewed_certificate_in_service() {
     let (cert, key) = certificate(&dir);
     let old_ca = dir.join("old.crt");
     std::fs::copy(&cert, &old_ca).unwrap();
-    let cfg = format!(
-        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
-         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
-        cert.display(),
-        key.display()
-    );
+    let cfg = respond_hi(&cert, &key);
     let s = Sluice::start(&cfg).await;
     let url = format!("https://127.0.0.1:{}/", s.addr.port());
     let ok = |ca: PathBuf| {
@@ -183,12 +189,7 @@ async fn alpn_h2_speaks_http2_from_the_first_byte() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = temp_dir("tls-h2-preface");
     let (cert, key) = certificate(&dir);
-    let cfg = format!(
-        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
-         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
-        cert.display(),
-        key.display()
-    );
+    let cfg = respond_hi(&cert, &key);
     let s = Sluice::start(&cfg).await;
     let mut config = sluice::tls::client_config(Some(&cert)).unwrap();
     config.alpn_protocols = vec![b"h2".to_vec()];
@@ -324,12 +325,7 @@ async fn a_tls_connection_closed_after_its_answer_says_so_in_tls() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = temp_dir("tls-close");
     let (cert, key) = certificate(&dir);
-    let cfg = format!(
-        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
-         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
-        cert.display(),
-        key.display()
-    );
+    let cfg = respond_hi(&cert, &key);
     let s = Sluice::start(&cfg).await;
     let mut c = tls_connect(s.addr, &cert, &[b"http/1.1"]).await;
     c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -354,12 +350,7 @@ async fn an_http10_only_alpn_is_served() {
     use tokio::io::AsyncWriteExt;
     let dir = temp_dir("tls-http10");
     let (cert, key) = certificate(&dir);
-    let cfg = format!(
-        "[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
-         [[routes]]\npath = \"/\"\nrespond = {{ status = 200, body = \"hi\" }}\n",
-        cert.display(),
-        key.display()
-    );
+    let cfg = respond_hi(&cert, &key);
     let s = Sluice::start(&cfg).await;
     let mut c = tls_connect(s.addr, &cert, &[b"http/1.0"]).await;
     assert_eq!(c.get_ref().1.alpn_protocol(), Some(&b"http/1.0"[..]));

@@ -30,6 +30,7 @@
 //! if a later slot rejects, the reservations already taken are refunded, so
 //! nothing is over-charged.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -801,17 +802,9 @@ impl RedisStore {
         now_ms: u64,
     ) -> Result<(), StoreError> {
         let deadline = Instant::now() + self.timeout;
-        let groups = self.slot_groups(counters);
-        if groups.len() <= 1 {
-            return self
-                .refund_one(counters, marks, cost, now_ms, deadline)
-                .await;
-        }
         // Every slot gets its refund even when one fails; the first error is reported.
         let mut result = Ok(());
-        for group in groups {
-            let part: Vec<Counter> = group.iter().map(|&i| counters[i].clone()).collect();
-            let part_marks: Vec<u64> = group.iter().map(|&i| marks[i]).collect();
+        for (part, part_marks) in self.by_slot(counters, marks) {
             let done = self
                 .refund_one(&part, &part_marks, cost, now_ms, deadline)
                 .await;
@@ -861,7 +854,7 @@ impl RedisStore {
         for (part, part_marks) in self.by_slot(counters, marks) {
             let mut keys = Vec::new();
             let mut slots: Vec<[u8; 16]> = Vec::new();
-            for (c, &mark) in part.iter().zip(&part_marks) {
+            for (c, &mark) in part.iter().zip(part_marks.iter()) {
                 if let Algorithm::Concurrency { lease } = c.algorithm {
                     keys.push(self.redis_key(c));
                     let mut slot = [0u8; 16];
@@ -886,21 +879,23 @@ impl RedisStore {
         Ok(renewed)
     }
 
-    /// `counters` and their `marks` by cluster slot (one group off a cluster).
-    fn by_slot(&self, counters: &[Counter], marks: &[u64]) -> Vec<(Vec<Counter>, Vec<u64>)> {
+    /// `counters` and their `marks` by cluster slot: borrowed as they are
+    /// when they are all in one (always off a cluster), copied per slot
+    /// otherwise.
+    fn by_slot<'a>(&self, counters: &'a [Counter], marks: &'a [u64]) -> Vec<SlotPart<'a>> {
         let groups = self.slot_groups(counters);
         if groups.len() <= 1 {
-            return vec![(counters.to_vec(), marks.to_vec())];
+            return vec![(Cow::Borrowed(counters), Cow::Borrowed(marks))];
         }
         groups
             .into_iter()
             .map(|g| {
-                let part = g.iter().map(|&i| counters[i].clone()).collect();
-                let part_marks = g
+                let part: Vec<Counter> = g.iter().map(|&i| counters[i].clone()).collect();
+                let part_marks: Vec<u64> = g
                     .iter()
                     .map(|&i| marks.get(i).copied().unwrap_or(0))
                     .collect();
-                (part, part_marks)
+                (Cow::Owned(part), Cow::Owned(part_marks))
             })
             .collect()
     }
@@ -1000,6 +995,10 @@ impl Drop for Behind {
         });
     }
 }
+
+/// The counters of one cluster slot and their marks (see
+/// [`RedisStore::by_slot`]).
+type SlotPart<'a> = (Cow<'a, [Counter]>, Cow<'a, [u64]>);
 
 /// An error reply is an error.
 fn checked(reply: Result<Reply, StoreError>) -> Result<Reply, StoreError> {
