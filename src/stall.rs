@@ -18,8 +18,12 @@
 //!   [`READ_AHEAD`] bytes; when the client has taken nothing from a full
 //!   queue for the timeout, the task drops the body (ending the upstream
 //!   exchange) and the connection is closed, as a stalled HTTP/1 one is: its
-//!   other streams' queues, and what hyper holds for them, go with it.
+//!   other streams' queues, and what hyper holds for them, go with it. What
+//!   of the body has arrived when the stream is answered is taken at once,
+//!   and an answer that has arrived whole (most small ones) needs no task:
+//!   it no longer holds the upstream either.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -164,7 +168,11 @@ type Item = Result<(Frame<Bytes>, OwnedSemaphorePermit), BoxError>;
 
 /// A response body read by a task of its own (see the module's doc).
 pub struct Pumped {
-    rx: mpsc::UnboundedReceiver<Item>,
+    /// What was read before the task started: all of a small answer that
+    /// had already arrived, which then needs no task.
+    ready: VecDeque<Result<Frame<Bytes>, BoxError>>,
+    /// The task's queue; `None` when `ready` holds the whole body.
+    rx: Option<mpsc::UnboundedReceiver<Item>>,
     hint: SizeHint,
     done: bool,
 }
@@ -185,10 +193,43 @@ impl Pumped {
         B::Error: Into<BoxError> + Send,
     {
         let hint = body.size_hint();
+        let mut body = body;
+        // What has arrived is taken first: most answers are whole in the
+        // upstream read already, and a task per answer is most of what an
+        // HTTP/2 stream costs sluice. Nothing is waited for here (a waker
+        // that does nothing: the task's real one replaces it).
+        let mut ready = VecDeque::new();
+        let mut taken = 0;
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        while taken < room {
+            match Pin::new(&mut body).poll_frame(&mut cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    taken += frame.data_ref().map_or(0, |d| d.len());
+                    ready.push_back(Ok(frame));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    ready.push_back(Err(e.into()));
+                    return Pumped::whole(ready, hint);
+                }
+                Poll::Ready(None) => return Pumped::whole(ready, hint),
+                Poll::Pending => break,
+            }
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(pump(body, tx, room.max(1), limit, cut));
         Pumped {
-            rx,
+            ready,
+            rx: Some(rx),
+            hint,
+            done: false,
+        }
+    }
+
+    /// A body read to its end before it needed a task.
+    fn whole(ready: VecDeque<Result<Frame<Bytes>, BoxError>>, hint: SizeHint) -> Pumped {
+        Pumped {
+            ready,
+            rx: None,
             hint,
             done: false,
         }
@@ -266,7 +307,17 @@ impl Body for Pumped {
         if self.done {
             return Poll::Ready(None);
         }
-        match self.rx.poll_recv(cx) {
+        if let Some(frame) = self.ready.pop_front() {
+            if frame.is_err() {
+                self.done = true;
+            }
+            return Poll::Ready(Some(frame));
+        }
+        let Some(rx) = &mut self.rx else {
+            self.done = true;
+            return Poll::Ready(None);
+        };
+        match rx.poll_recv(cx) {
             Poll::Pending => Poll::Pending,
             // Its permit drops here: the room is the task's again.
             Poll::Ready(Some(Ok((frame, _room)))) => Poll::Ready(Some(Ok(frame))),
@@ -282,10 +333,81 @@ impl Body for Pumped {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done
+        self.done || (self.rx.is_none() && self.ready.is_empty())
     }
 
     fn size_hint(&self) -> SizeHint {
         self.hint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, StreamBody};
+
+    fn frames(body: &[&str], trailer: Option<&str>) -> Vec<Result<Frame<Bytes>, BoxError>> {
+        let mut v: Vec<Result<Frame<Bytes>, BoxError>> = body
+            .iter()
+            .map(|s| Ok(Frame::data(Bytes::copy_from_slice(s.as_bytes()))))
+            .collect();
+        if let Some(t) = trailer {
+            let mut map = http::HeaderMap::new();
+            map.insert("x-tokens", t.parse().unwrap());
+            v.push(Ok(Frame::trailers(map)));
+        }
+        v
+    }
+
+    async fn collect(body: Pumped) -> (Vec<u8>, Option<http::HeaderMap>) {
+        let all = body.collect().await.unwrap();
+        let trailers = all.trailers().cloned();
+        (all.to_bytes().to_vec(), trailers)
+    }
+
+    #[test]
+    fn an_answer_already_arrived_needs_no_task() {
+        // No runtime here: spawning the pump would panic.
+        let body = StreamBody::new(futures_util::stream::iter(frames(&["o", "k"], Some("7"))));
+        let pumped = Pumped::new(body, READ_AHEAD, Duration::from_secs(1), || {});
+        assert!(pumped.rx.is_none());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (bytes, trailers) = rt.block_on(collect(pumped));
+        assert_eq!(bytes, b"ok");
+        assert_eq!(trailers.unwrap()["x-tokens"], "7");
+    }
+
+    #[tokio::test]
+    async fn what_arrived_first_comes_before_what_the_task_reads() {
+        let (tx, rx) = mpsc::unbounded_channel::<Result<Frame<Bytes>, BoxError>>();
+        for f in frames(&["a", "b"], None) {
+            tx.send(f).unwrap();
+        }
+        let stream = stream_of(rx);
+        let pumped = Pumped::new(
+            StreamBody::new(stream),
+            READ_AHEAD,
+            Duration::from_secs(1),
+            || {},
+        );
+        assert!(pumped.rx.is_some(), "the rest is read by the task");
+        for f in frames(&["c"], Some("9")) {
+            tx.send(f).unwrap();
+        }
+        drop(tx);
+        let (bytes, trailers) = collect(pumped).await;
+        assert_eq!(bytes, b"abc");
+        assert_eq!(trailers.unwrap()["x-tokens"], "9");
+    }
+
+    /// A stream of what `rx` receives.
+    fn stream_of<T: Send + 'static>(
+        rx: mpsc::UnboundedReceiver<T>,
+    ) -> Pin<Box<dyn futures_util::Stream<Item = T> + Send>> {
+        Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|t| (t, rx))
+        }))
     }
 }
