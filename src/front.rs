@@ -35,7 +35,7 @@ use std::cell::RefCell;
 use std::future::poll_fn;
 use std::io;
 use std::mem::MaybeUninit;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
@@ -69,15 +69,41 @@ const MAX_HEADERS: usize = 64;
 const COPY_LIMIT: usize = 16 * 1024;
 
 /// What a connection's requests need from the server: kept in its
-/// [`Conn`], for the connection's life.
+/// [`Conn`], for the connection's life. (The limiter's cache of the last
+/// request's identities is kept by the connection's task, not here: a
+/// parked connection has no use for it.)
 pub struct Client {
     pub proxy: Arc<Proxy>,
-    pub peer: SocketAddr,
-    /// The limiter's identities of the connection's last request.
-    pub keys: KeyCache,
-    /// `server.client_send_timeout` (see [`crate::stall`]).
-    pub send_timeout: Duration,
+    /// The client's address, as its parts: a `SocketAddr` takes 32 bytes.
+    ip: IpAddr,
+    port: u16,
+    /// `server.client_send_timeout` (see [`crate::stall`]), in milliseconds.
+    send_timeout_ms: u32,
 }
+
+impl Client {
+    pub fn new(proxy: Arc<Proxy>, peer: SocketAddr, send_timeout: Duration) -> Client {
+        Client {
+            proxy,
+            ip: peer.ip(),
+            port: peer.port(),
+            send_timeout_ms: u32::try_from(send_timeout.as_millis()).unwrap_or(u32::MAX),
+        }
+    }
+
+    pub fn peer(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, self.port)
+    }
+
+    pub fn send_timeout(&self) -> Duration {
+        Duration::from_millis(self.send_timeout_ms.into())
+    }
+}
+
+/// A client that sends its next request within this time of its last
+/// answer is busy: its connection waits for it in its task rather than
+/// parking, so that a busy client's requests cost no task each.
+const BUSY_MS: u64 = 1000;
 
 /// A client connection served here: plain TCP, or TLS over it.
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {
@@ -107,19 +133,40 @@ impl Stream for TlsStream<TcpStream> {
     }
 }
 
+/// Whether [`serve`] parks its connection (see there).
+#[derive(Clone, Copy)]
+pub enum Park {
+    /// Never (over TLS: the session stays anyway).
+    Never,
+    /// A new connection.
+    New,
+    /// A connection that was parked and whose client has sent.
+    Resumed,
+}
+
 /// How serving a connection here ended.
 pub enum Served {
     /// It is closed: by the client, after `Connection: close`, at shutdown,
     /// or after a response that could not be sent whole.
     Closed,
+    /// Every request is answered, nothing more is read, and the client is
+    /// not busy: the connection is to be parked (see
+    /// [`crate::idle::Ended::park`]).
+    Idle,
     /// A request for hyper: the bytes read and not used (see [`Rewind`]).
     Handoff(BytesMut),
 }
 
-/// Serves `stream` until it closes or has a request for hyper. At shutdown
-/// (see [`crate::idle::Connections::stop`]) a connection waiting for a
-/// request is closed from outside, one with a request in flight closes after
-/// its response.
+/// Serves `stream` until it closes or has a request for hyper, or (unless
+/// `park` says never) until it waits for a request from a client that is
+/// not busy. At shutdown (see [`crate::idle::Connections::stop`]) a
+/// connection waiting for a request is closed from outside, one with a
+/// request in flight closes after its response.
+///
+/// When to park: after an exchange (the requests the client sent, answered,
+/// nothing more read), unless the client is busy: the exchange began within
+/// [`BUSY_MS`] of the last request's end. A new connection's first exchange
+/// is not busy: a client that sends one request and idles is parked at once.
 ///
 /// A connection waiting for its next request holds its socket and nothing
 /// else: no read buffer, no request, no timer (as nginx's keep-alive
@@ -129,13 +176,28 @@ pub enum Served {
 /// nothing more has been read; so the connection's task, which lives as
 /// long as the connection, stays small (figures in docs/performance.md,
 /// "Idle connections").
-pub async fn serve<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Served> {
+pub async fn serve<S: Stream>(
+    stream: &mut S,
+    conn: &Arc<Conn>,
+    mut park: Park,
+) -> io::Result<Served> {
+    // Made at the first request and kept while the connection's task is.
+    let mut keys = None;
     loop {
         poll_fn(|cx| stream.poll_readable(cx)).await?;
+        let busy = match park {
+            Park::Never => true,
+            Park::New => {
+                park = Park::Resumed;
+                false
+            }
+            Park::Resumed => conn.idle_ms() < BUSY_MS,
+        };
         // The box is made first and the future in it: `Box::pin` made the
         // future on the stack and copied it.
-        let exchange = Box::write(Box::new_uninit(), exchange(stream, conn));
+        let exchange = Box::write(Box::new_uninit(), exchange(stream, conn, &mut keys));
         match Box::into_pin(exchange).await? {
+            Next::Idle if !busy => return Ok(Served::Idle),
             Next::Idle => {}
             Next::Closed => return Ok(Served::Closed),
             Next::Handoff(buf) => return Ok(Served::Handoff(buf)),
@@ -155,8 +217,13 @@ enum Next {
 /// Serves the requests the client has sent, as they come, until all are
 /// answered and nothing more has been read (or the connection closes, or has
 /// a request for hyper).
-async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Next> {
+async fn exchange<S: Stream>(
+    stream: &mut S,
+    conn: &Arc<Conn>,
+    keys: &mut Option<Box<KeyCache>>,
+) -> io::Result<Next> {
     let client = &conn.client;
+    let keys = &**keys.get_or_insert_with(Box::default);
     let mut lent = Lent::take(&client.proxy);
     let Buffers {
         read: buf,
@@ -181,7 +248,7 @@ async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Nex
                 }
                 Parsed::Malformed(why) => {
                     let mut resp = ProxyError::BadRequest(why).response();
-                    let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
+                    let mut sending = SendTimeout::new(&mut *stream, client.send_timeout());
                     write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
                     sending.flush().await?;
                     return Ok(Next::Closed);
@@ -210,8 +277,8 @@ async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Nex
             let mut handling = pin!(client.proxy.handle(
                 req,
                 Some(&mut fields),
-                client.peer,
-                &client.keys,
+                client.peer(),
+                keys,
                 Some(Lent::timer(timer, &client.proxy)),
                 &mut answer,
             ));
@@ -231,7 +298,7 @@ async fn exchange<S: Stream>(stream: &mut S, conn: &Arc<Conn>) -> io::Result<Nex
         // that closes while the body waits for the upstream ends it too:
         // the body (and what it holds: a concurrency slot, a metered
         // charge) is not kept for a client that is gone.
-        let mut sending = SendTimeout::new(&mut *stream, client.send_timeout);
+        let mut sending = SendTimeout::new(&mut *stream, client.send_timeout());
         let again = write_response(
             &mut sending,
             out,

@@ -20,17 +20,27 @@
 //! server that waits for a request is closed at once, one with a request in
 //! flight is told to close after it (see [`Conn::stopping`]); hyper's
 //! connections get the shutdown signal (see `crate::graceful`).
+//!
+//! A connection of the own HTTP/1.1 server on plain TCP that waits for its
+//! next request may be parked ([`Ended::park`]): its task ends, and its
+//! socket waits in its [`Conn`], with the `Conn` itself as the waker of the
+//! socket's registration. Once the client sends (or closes), the `Conn`
+//! wakes and a task is spawned for it again ([`Connections::resume`]). So
+//! such a connection holds no task while it idles; the sweep and
+//! [`Connections::stop`] close parked connections as they close waiting
+//! ones.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use hyper::body::{Body, Frame, SizeHint};
-use tokio::sync::{OwnedSemaphorePermit, watch};
-use tokio::task::AbortHandle;
+use tokio::net::TcpStream;
+use tokio::sync::{Semaphore, watch};
+use tokio::task::{AbortHandle, JoinHandle};
 
 use crate::front::Client;
 
@@ -52,7 +62,9 @@ const DONE: u64 = 1 << 63;
 const COUNT: u64 = HYPER - 1;
 
 /// One client connection: its requests in flight, when it last had one,
-/// its task, and what its requests share (`client`), in one allocation.
+/// its task (or its socket, parked), and what its requests share
+/// (`client`), in one allocation: what a parked connection costs besides
+/// its socket's registration.
 pub struct Conn<T = Client> {
     /// Requests in flight, and the flags above.
     state: AtomicU64,
@@ -60,34 +72,67 @@ pub struct Conn<T = Client> {
     since_ms: AtomicU64,
     /// `server.header_timeout` when it was accepted.
     limit_ms: u64,
-    /// The connection's task, to close it; let go when it ends.
-    task: Mutex<Option<AbortHandle>>,
+    /// The connection's task, to close it, or its parked socket.
+    slot: Mutex<Slot>,
+    /// Its server, to be served again once parked (see [`Conn::wake`]).
+    server: Weak<Connections>,
     pub client: T,
 }
 
+/// What runs a connection (see [`Conn::slot`]).
+enum Slot {
+    /// Not begun, or ended.
+    Empty,
+    /// A task is being spawned for it: the spawn's number (see
+    /// [`Connections::start`]).
+    Starting(u32),
+    Task(AbortHandle),
+    /// No task: its socket waits for the client's next bytes.
+    Parked(TcpStream),
+}
+
 impl<T> Conn<T> {
-    /// A connection closed after `limit` (`server.header_timeout`) without
-    /// a request.
-    pub fn new(limit: Duration, client: T) -> Arc<Conn<T>> {
+    /// A connection of `server`, closed after `limit`
+    /// (`server.header_timeout`) without a request.
+    pub fn new(limit: Duration, client: T, server: Weak<Connections>) -> Arc<Conn<T>> {
         Arc::new(Conn {
             state: AtomicU64::new(0),
             since_ms: AtomicU64::new(now_ms()),
             limit_ms: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
-            task: Mutex::new(None),
+            slot: Mutex::new(Slot::Empty),
+            server,
             client,
         })
     }
 
-    fn task(&self) -> MutexGuard<'_, Option<AbortHandle>> {
-        // A poisoned lock only means a panic elsewhere; the handle is whole.
-        self.task.lock().unwrap_or_else(|e| e.into_inner())
+    fn slot(&self) -> MutexGuard<'_, Slot> {
+        // A poisoned lock only means a panic elsewhere; the slot is whole.
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Milliseconds since the connection's last request ended (or since it
+    /// was accepted).
+    pub fn idle_ms(&self) -> u64 {
+        now_ms().saturating_sub(self.since_ms.load(Ordering::Acquire))
     }
 
     /// Closes the connection now, its requests in flight included (a
-    /// client that stopped reading, see [`crate::stall`]).
+    /// client that stopped reading, see [`crate::stall`]); a parked one is
+    /// closed here, its place under `server.max_connections` freed.
     pub fn close(&self) {
-        if let Some(task) = &*self.task() {
-            task.abort();
+        let mut slot = self.slot();
+        match &*slot {
+            Slot::Task(task) => task.abort(),
+            Slot::Parked(_) => {
+                self.state.fetch_or(DONE, Ordering::AcqRel);
+                let parked = std::mem::replace(&mut *slot, Slot::Empty);
+                drop(slot);
+                drop(parked);
+                if let Some(server) = self.server.upgrade() {
+                    server.permits.add_permits(1);
+                }
+            }
+            Slot::Empty | Slot::Starting(_) => {}
         }
     }
 
@@ -127,6 +172,38 @@ impl<T> Conn<T> {
             self.close();
         }
         closing
+    }
+}
+
+/// A parked connection's socket wakes its `Conn`: the client sent (or
+/// closed), and a task serves it again.
+impl Wake for Conn<Client> {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        // A server that has ended closed its parked connections.
+        if let Some(server) = self.server.upgrade() {
+            server.resume(self);
+        }
+    }
+}
+
+impl Conn<Client> {
+    /// Waits for the parked socket's next bytes with this `Conn` as the
+    /// waker; serves them at once if they are there already.
+    fn listen(self: &Arc<Self>) {
+        let waker = Waker::from(self.clone());
+        let mut cx = Context::from_waker(&waker);
+        let ready = match &*self.slot() {
+            // An error (the runtime's end) is the task's to meet.
+            Slot::Parked(stream) => stream.poll_read_ready(&mut cx).is_ready(),
+            _ => false,
+        };
+        if ready {
+            self.wake_by_ref();
+        }
     }
 }
 
@@ -183,20 +260,35 @@ pub fn tick(limit: Duration) -> Duration {
     (limit / 8).clamp(Duration::from_millis(10), Duration::from_secs(1))
 }
 
-/// Every client connection of a server, each with its task.
+/// Spawns the task that serves a parked connection again (see
+/// [`Connections::on_resume`]).
+pub type Resume = Arc<dyn Fn(TcpStream, Ended, Arc<Connections>) -> JoinHandle<()> + Send + Sync>;
+
+/// Every client connection of a server, each with its task or parked.
 pub struct Connections {
     list: Mutex<Vec<Arc<Conn>>>,
     stopping: AtomicBool,
     /// For hyper's connections (see `crate::graceful::watch`).
     signal: watch::Sender<()>,
+    /// One per connection (`server.max_connections`), taken when it is
+    /// accepted and given back when it ends: held by no task, as a parked
+    /// connection has none.
+    permits: Arc<Semaphore>,
+    /// Numbers the spawns (see [`Connections::start`]).
+    spawns: AtomicU32,
+    resume: Mutex<Option<Resume>>,
 }
 
 impl Connections {
-    pub fn new() -> Arc<Connections> {
+    /// The connections of a server that takes at most `max` at once.
+    pub fn new(max: usize) -> Arc<Connections> {
         Arc::new(Connections {
             list: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
             signal: watch::channel(()).0,
+            permits: Arc::new(Semaphore::new(max)),
+            spawns: AtomicU32::new(0),
+            resume: Mutex::new(None),
         })
     }
 
@@ -204,30 +296,88 @@ impl Connections {
         self.list.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs the connection `serve` makes in a task of its own until it ends
-    /// or is closed (its task aborted, which drops it and closes the socket).
-    /// `serve` is given the connection's [`Ended`], to hold to its end: the
-    /// connection's future is spawned as it is, not inside another (which
-    /// would take twice its size: an awaited future is moved first).
-    pub fn spawn<F>(
-        &self,
-        conn: Arc<Conn>,
-        permit: OwnedSemaphorePermit,
-        serve: impl FnOnce(Ended) -> F,
-    ) where
+    /// A place for one more connection: waits while `server.max_connections`
+    /// are open (new ones wait in the listen backlog, as with nginx's
+    /// `worker_connections`). Given back when the connection ends.
+    pub async fn admit(&self) {
+        if let Ok(permit) = self.permits.acquire().await {
+            permit.forget();
+        }
+    }
+
+    /// Gives back the place [`Connections::admit`] took, for a connection
+    /// that was not accepted after all.
+    pub fn release(&self) {
+        self.permits.add_permits(1);
+    }
+
+    /// Shutdown: waits until every connection has ended.
+    pub async fn all_ended(&self, max: usize) {
+        let all = u32::try_from(max).unwrap_or(u32::MAX);
+        let _ = self.permits.acquire_many(all).await;
+    }
+
+    /// How a parked connection's task is spawned from now on (the server's
+    /// builders change with a reload).
+    pub fn on_resume(&self, resume: Resume) {
+        *self.resume.lock().unwrap_or_else(|e| e.into_inner()) = Some(resume);
+    }
+
+    /// Runs the connection `serve` makes in a task of its own until it ends,
+    /// parks, or is closed (its task aborted, which drops it and closes the
+    /// socket). `serve` is given the connection's [`Ended`], to hold to its
+    /// end: the connection's future is spawned as it is, not inside another
+    /// (which would take twice its size: an awaited future is moved first).
+    /// The connection has taken its place by [`Connections::admit`].
+    pub fn spawn<F>(self: &Arc<Self>, conn: Arc<Conn>, serve: impl FnOnce(Ended) -> F)
+    where
         F: Future<Output = ()> + Send + 'static,
     {
-        let task = tokio::spawn(serve(Ended {
-            conn: conn.clone(),
-            _permit: permit,
-        }));
-        let mut handle = conn.task();
-        // Were it over already, its handle is not kept.
-        if conn.state.load(Ordering::Acquire) & DONE == 0 {
-            *handle = Some(task.abort_handle());
+        let spawn = self.spawns.fetch_add(1, Ordering::Relaxed);
+        *conn.slot() = Slot::Starting(spawn);
+        self.list().push(conn.clone());
+        let task = tokio::spawn(serve(Ended::new(conn.clone())));
+        Self::started(&conn, spawn, task);
+    }
+
+    /// A parked connection's client sent (or closed): a task serves it.
+    fn resume(self: &Arc<Self>, conn: &Arc<Conn>) {
+        let spawn = self.spawns.fetch_add(1, Ordering::Relaxed);
+        let stream = {
+            let mut slot = conn.slot();
+            if !matches!(*slot, Slot::Parked(_)) {
+                return;
+            }
+            match std::mem::replace(&mut *slot, Slot::Starting(spawn)) {
+                Slot::Parked(stream) => stream,
+                _ => return,
+            }
+        };
+        let resume = self
+            .resume
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let ended = Ended::new(conn.clone());
+        match resume {
+            Some(resume) => Self::started(conn, spawn, resume(stream, ended, self.clone())),
+            // Never so: the server sets it before it accepts.
+            None => drop((stream, ended)),
         }
-        drop(handle);
-        self.list().push(conn);
+    }
+
+    /// Keeps the handle of the task spawned as `spawn` to close it, unless
+    /// the task has parked or ended meanwhile (the slot says so: the spawn's
+    /// number is no longer there). A connection being closed meanwhile found
+    /// no task to abort: it is aborted here.
+    fn started(conn: &Conn, spawn: u32, task: JoinHandle<()>) {
+        let mut slot = conn.slot();
+        if matches!(*slot, Slot::Starting(s) if s == spawn) {
+            *slot = Slot::Task(task.abort_handle());
+            if conn.state.load(Ordering::Acquire) & CLOSING != 0 {
+                task.abort();
+            }
+        }
     }
 
     /// The shutdown signal for a connection hyper serves from now on: it
@@ -270,31 +420,84 @@ impl Connections {
     }
 }
 
+impl Drop for Connections {
+    /// Parked connections are closed: each is its socket's waker, which
+    /// would keep it (and the socket) for ever.
+    fn drop(&mut self) {
+        let list = std::mem::take(&mut *self.list());
+        for conn in list {
+            let parked = std::mem::replace(&mut *conn.slot(), Slot::Empty);
+            drop(parked);
+        }
+    }
+}
+
 /// Held by a connection's task: marks its end however the task ends (an
-/// abort drops it), and frees its place under `server.max_connections`.
+/// abort drops it), and frees its place under `server.max_connections`;
+/// unless the task parked the connection ([`Ended::park`]).
 pub struct Ended {
     conn: Arc<Conn>,
-    _permit: OwnedSemaphorePermit,
+    parked: bool,
 }
 
 impl Ended {
+    fn new(conn: Arc<Conn>) -> Ended {
+        Ended {
+            conn,
+            parked: false,
+        }
+    }
+
     pub fn conn(&self) -> &Arc<Conn> {
         &self.conn
+    }
+
+    /// Ends the connection's task, the connection kept: its socket waits in
+    /// its [`Conn`] for the client's next bytes, and a task is spawned for
+    /// them (see [`Connections::resume`]). The caller has answered every
+    /// request and read nothing more. A connection being closed is closed.
+    pub fn park(mut self, stream: TcpStream) {
+        {
+            let mut slot = self.conn.slot();
+            if self.conn.state.load(Ordering::Acquire) & (CLOSING | STOPPING) != 0 {
+                return;
+            }
+            // Its task's handle goes: it kept the task's memory.
+            *slot = Slot::Parked(stream);
+            self.parked = true;
+        }
+        self.conn.listen();
     }
 }
 
 impl Drop for Ended {
     fn drop(&mut self) {
+        if self.parked {
+            return;
+        }
         // The handle kept the task's memory: let go now, not at the sweep.
-        let mut task = self.conn.task();
+        let mut slot = self.conn.slot();
         self.conn.state.fetch_or(DONE, Ordering::AcqRel);
-        task.take();
+        let task = std::mem::replace(&mut *slot, Slot::Empty);
+        drop(slot);
+        drop(task);
+        if let Some(server) = self.conn.server.upgrade() {
+            server.permits.add_permits(1);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A parked connection costs its `Conn` and its socket's registration:
+    /// the `Conn` with its reference counts stays in 128 bytes.
+    #[test]
+    fn a_connection_stays_small() {
+        let size = std::mem::size_of::<Conn>() + 16;
+        assert!(size <= 128, "{size} bytes");
+    }
 
     #[test]
     fn ticks_follow_the_timeout_within_bounds() {
@@ -305,14 +508,14 @@ mod tests {
 
     #[test]
     fn a_connection_closed_while_idle_serves_no_request_begun_after() {
-        let idle = Conn::new(Duration::from_secs(1), ());
+        let idle = Conn::new(Duration::from_secs(1), (), Weak::new());
         assert!(idle.close_if_idle(|| true));
         assert!(idle.begin().is_none());
     }
 
     #[test]
     fn a_connection_with_a_request_in_flight_is_not_closed_as_idle() {
-        let idle = Conn::new(Duration::from_secs(1), ());
+        let idle = Conn::new(Duration::from_secs(1), (), Weak::new());
         let request = idle.begin().expect("not closing");
         assert!(!idle.close_if_idle(|| true));
         drop(request);

@@ -19,13 +19,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 
 use crate::clock::Clock;
 use crate::coalesce::Coalesce;
 use crate::config::{Backend, Config};
 use crate::front;
-use crate::front::{Client, H2_PREFACE, Rewind, Served};
+use crate::front::{Client, H2_PREFACE, Park, Rewind, Served};
 use crate::graceful;
 use crate::idle::{Conn, Connections, Ended, Tracked};
 use crate::limiter::{KeyCache, Limiter};
@@ -131,35 +130,34 @@ impl Server {
         if let Store::Redis(r) = proxy.limiter().store() {
             r.preload().await;
         }
+        // One place per client connection: past `max_connections` nothing is
+        // accepted, and new connections wait in the listen backlog (as
+        // nginx's `worker_connections`).
+        let max_connections = proxy.state().config.server.max_connections;
         // Every client connection, closed once idle for header_timeout.
-        let conns = Connections::new();
+        let conns = Connections::new(max_connections);
         let idle_sweeper = tokio::spawn(sweep_idle(conns.clone(), proxy.clone()));
         // The builders follow the config: a reload's `max_streams` serves the
         // connections accepted after it.
         let mut built_for = proxy.state();
         let mut protocols = Arc::new(Protocols::new(&built_for.config));
+        conns.on_resume(resume(protocols.clone()));
         // TLS or not is fixed at start; the certificate is the current
         // config's (the start's if a reload turned TLS off).
         let boot_tls = proxy.state().tls.clone();
-        // One permit per client connection, held by its task: past
-        // `max_connections` nothing is accepted, and new connections wait in
-        // the listen backlog (as nginx's `worker_connections`).
-        let max_connections = proxy.state().config.server.max_connections;
-        let permits = Arc::new(Semaphore::new(max_connections));
         let mut refused = AcceptErrors::default();
         tokio::pin!(shutdown);
         loop {
-            let permit = tokio::select! {
-                permit = permits.clone().acquire_owned() => permit,
+            tokio::select! {
+                () = conns.admit() => {}
                 _ = &mut shutdown => break,
             };
-            // Never closed, so always a permit.
-            let Ok(permit) = permit else { break };
             tokio::select! {
                 accepted = listener.accept() => {
                     let (stream, peer) = match accepted {
                         Ok(conn) => conn,
                         Err(e) => {
+                            conns.release();
                             refused.failed(&e).await;
                             continue;
                         }
@@ -167,38 +165,36 @@ impl Server {
                     let state = proxy.state();
                     if !Arc::ptr_eq(&state, &built_for) {
                         protocols = Arc::new(Protocols::new(&state.config));
+                        conns.on_resume(resume(protocols.clone()));
                         built_for = state;
                     }
                     let _ = stream.set_nodelay(true);
                     let server = &built_for.config.server;
-                    let client = Client {
-                        proxy: proxy.clone(),
-                        peer,
-                        keys: KeyCache::default(),
-                        send_timeout: server.client_send_timeout,
-                    };
-                    let conn = Conn::new(server.header_timeout, client);
+                    let client = Client::new(proxy.clone(), peer, server.client_send_timeout);
+                    let conn = Conn::new(server.header_timeout, client, Arc::downgrade(&conns));
                     let hyper = Hyper { protocols: protocols.clone(), conns: conns.clone() };
                     match &boot_tls {
-                        None => conns.spawn(conn, permit, |ended| plain(stream, hyper, ended)),
+                        None => conns.spawn(conn, |ended| plain(stream, hyper, ended, false)),
                         Some(boot) => {
                             let acceptor = proxy.state().tls.clone().unwrap_or_else(|| boot.clone());
                             // The handshake runs in the connection's own task, so a
                             // slow client cannot hold up accepting.
-                            conns.spawn(conn, permit, |ended| tls(stream, acceptor, hyper, ended));
+                            conns.spawn(conn, |ended| tls(stream, acceptor, hyper, ended));
                         }
                     }
                 }
-                _ = &mut shutdown => break,
+                _ = &mut shutdown => {
+                    conns.release();
+                    break;
+                }
             }
         }
         drop(listener);
         let timeout = proxy.state().config.server.shutdown_timeout;
         tracing::info!("shutting down: draining requests in flight");
         conns.stop();
-        // Each connection's task holds a permit to its end.
-        let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
-        if tokio::time::timeout(timeout, permits.acquire_many(all))
+        // Each connection holds its place to its end.
+        if tokio::time::timeout(timeout, conns.all_ended(max_connections))
             .await
             .is_err()
         {
@@ -230,10 +226,14 @@ impl Hyper {
     {
         conn.to_hyper();
         let signal = self.conns.signal();
+        // The limiter's cache of the last request's identities (see
+        // `front::Client`), for the connection's life.
+        let keys = Arc::new(KeyCache::default());
         let service = service_fn(move |req| {
             // The request begins inside the future: begun out here, it made
             // hyper copy the request's future once more.
             let conn = conn.clone();
+            let keys = keys.clone();
             async move {
                 let request = conn.begin();
                 let client = &conn.client;
@@ -242,7 +242,7 @@ impl Hyper {
                 let mut answer = None;
                 client
                     .proxy
-                    .handle(&mut req, None, client.peer, &client.keys, None, &mut answer)
+                    .handle(&mut req, None, client.peer(), &keys, None, &mut answer)
                     .await;
                 // `handle` always answers; a 500 should it ever not.
                 let resp =
@@ -255,7 +255,7 @@ impl Hyper {
                 if h2 && !req.body().is_end_stream() {
                     drain(req.body_mut()).await;
                 }
-                let send_timeout = client.send_timeout;
+                let send_timeout = client.send_timeout();
                 let resp = resp.map(|body| match body {
                     Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
                         let conn = conn.clone();
@@ -279,17 +279,27 @@ type Serving = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send>>;
 
 /// A client connection on plain TCP: HTTP/1 served by sluice's own server
 /// (see [`front`]) until a request it hands to hyper's, HTTP/2 by hyper's.
-/// Its task's future is what an idle connection costs, besides its socket
-/// and its [`Conn`]: everything larger is boxed while it is used. (An
-/// `async` block, not an `async fn`, whose arguments would be kept twice.)
+/// The own server's connection is parked when it waits for a client that
+/// is not busy: its task ends, and a task runs this again, `resumed`, once
+/// the client sends (see [`crate::idle::Ended::park`]). The task's future
+/// is kept small: everything larger is boxed while it is used. (An `async`
+/// block, not an `async fn`, whose arguments would be kept twice.)
 #[allow(clippy::manual_async_fn)]
-fn plain(mut stream: TcpStream, hyper: Hyper, ended: Ended) -> impl Future<Output = ()> + Send {
+fn plain(
+    mut stream: TcpStream,
+    hyper: Hyper,
+    ended: Ended,
+    resumed: bool,
+) -> impl Future<Output = ()> + Send {
     async move {
-        let served = if starts_as_http1(&stream).await {
+        // A parked connection has served HTTP/1 already.
+        let park = if resumed { Park::Resumed } else { Park::New };
+        let served = if resumed || starts_as_http1(&stream).await {
             // Settled before hyper's part is awaited: a value held across
             // that wait would be kept in every connection's task.
-            let rest = match front::serve(&mut stream, ended.conn()).await {
+            let rest = match front::serve(&mut stream, ended.conn(), park).await {
                 Ok(Served::Closed) => return,
+                Ok(Served::Idle) => return ended.park(stream),
                 Ok(Served::Handoff(rest)) => Ok(rest),
                 Err(e) => Err(e),
             };
@@ -297,18 +307,18 @@ fn plain(mut stream: TcpStream, hyper: Hyper, ended: Ended) -> impl Future<Outpu
                 Ok(rest) => {
                     let conn = ended.conn().clone();
                     let io = Coalesce(Rewind::new(stream, rest));
-                    let io = SendTimeout::new(io, conn.client.send_timeout);
+                    let io = SendTimeout::new(io, conn.client.send_timeout());
                     hyper.serve(io, Proto::Http1, conn).await
                 }
                 Err(e) => Err(e.into()),
             }
         } else {
             let conn = ended.conn().clone();
-            let io = SendTimeout::new(Coalesce(stream), conn.client.send_timeout);
+            let io = SendTimeout::new(Coalesce(stream), conn.client.send_timeout());
             hyper.serve(io, Proto::Auto, conn).await
         };
         if let Err(e) = served {
-            let peer = ended.conn().client.peer;
+            let peer = ended.conn().client.peer();
             tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
         }
     }
@@ -332,7 +342,7 @@ fn tls(
             match accepted {
                 Ok(Ok(stream)) => Some(stream),
                 Ok(Err(e)) => {
-                    tracing::debug!(peer = %conn.client.peer, error = %e, "TLS handshake failed");
+                    tracing::debug!(peer = %conn.client.peer(), error = %e, "TLS handshake failed");
                     None
                 }
                 Err(_) => None,
@@ -346,7 +356,7 @@ fn tls(
         };
         let served = serving.await;
         if let Err(e) = served {
-            tracing::debug!(peer = %conn.client.peer, error = %e, "connection ended with an error");
+            tracing::debug!(peer = %conn.client.peer(), error = %e, "connection ended with an error");
         }
     })
 }
@@ -362,7 +372,7 @@ fn serve_tls<'a>(
 ) -> Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>> {
     match stream.get_ref().1.alpn_protocol() {
         Some(b"h2") => {
-            let io = SendTimeout::new(stream, conn.client.send_timeout);
+            let io = SendTimeout::new(stream, conn.client.send_timeout());
             hyper.serve(io, Proto::Http2, conn.clone())
         }
         Some(b"http/1.1" | b"http/1.0") => Box::pin(tls_http1(stream, Proto::Http1, conn, hyper)),
@@ -381,10 +391,11 @@ fn tls_http1(
     hyper: Hyper,
 ) -> impl Future<Output = Result<(), BoxError>> + Send + '_ {
     async move {
-        let send_timeout = conn.client.send_timeout;
+        let send_timeout = conn.client.send_timeout();
         // Settled before hyper's part is awaited (see `plain`).
-        let rest = match front::serve(&mut stream, conn).await {
-            Ok(Served::Closed) => {
+        // Not parked: the TLS session stays with the connection anyway.
+        let rest = match front::serve(&mut stream, conn, Park::Never).await {
+            Ok(Served::Idle | Served::Closed) => {
                 // TLS's close_notify, as hyper's server sends: the client
                 // knows the connection ended as meant.
                 let _ = tokio::time::timeout(send_timeout, stream.shutdown()).await;
@@ -396,6 +407,21 @@ fn tls_http1(
         let io = SendTimeout::new(Rewind::new(stream, rest), send_timeout);
         hyper.serve(io, proto, conn.clone()).await
     }
+}
+
+/// How a parked plain connection is served again, by hyper's builders
+/// `protocols` should it hand a request on.
+fn resume(protocols: Arc<Protocols>) -> crate::idle::Resume {
+    // The socket's waker may run where no runtime is current (at the
+    // runtime's end).
+    let runtime = tokio::runtime::Handle::current();
+    Arc::new(move |stream, ended, conns| {
+        let hyper = Hyper {
+            protocols: protocols.clone(),
+            conns,
+        };
+        runtime.spawn(plain(stream, hyper, ended, true))
+    })
 }
 
 /// Closes connections idle for `server.header_timeout`, a tick at a time.
@@ -660,17 +686,16 @@ mod tests {
     use super::*;
 
     /// The size of what `serve` returns, by its type alone.
-    fn future_size<F: Future>(_serve: fn(TcpStream, Hyper, Ended) -> F) -> usize {
+    fn future_size<F: Future>(_serve: fn(TcpStream, Hyper, Ended, bool) -> F) -> usize {
         std::mem::size_of::<F>()
     }
 
-    /// An idle plain connection's task holds this future for the
-    /// connection's life; tokio's task around it, aligned to 128 bytes,
-    /// stays at two of them while the future is at most 144 bytes: the
-    /// request's work and hyper's connection are boxed apart.
+    /// A plain connection's task holds this future while its client is
+    /// busy (a parked connection has no task): the request's work and
+    /// hyper's connection are boxed apart, so it stays small.
     #[test]
     fn a_plain_connections_task_stays_small() {
         let size = future_size(plain);
-        assert!(size <= 144, "{size} bytes");
+        assert!(size <= 152, "{size} bytes");
     }
 }

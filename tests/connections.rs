@@ -76,18 +76,21 @@ async fn past_max_connections_new_clients_wait_in_the_backlog() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
 }
 
-/// An idle keep-alive connection is one task (and its socket): the server
-/// closes idle ones by looking at all of them a tick at a time, with no
-/// timer task beside each (about 400 bytes a connection when there was one).
-/// The read buffers idle connections give back are counted in proxy.rs.
+/// The tasks alive on this test's runtime, which the server runs on.
+fn tasks() -> usize {
+    tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks()
+}
+
+/// An idle keep-alive connection holds no task: once its client's requests
+/// are answered it is parked (its socket and its state), and served again
+/// when the client sends. The server closes idle ones by looking at all of
+/// them a tick at a time, with no timer task beside each. The read buffers
+/// idle connections give back are counted in proxy.rs.
 #[tokio::test]
-async fn an_idle_keep_alive_connection_is_one_task() {
+async fn an_idle_keep_alive_connection_holds_no_task() {
     let s = Sluice::start(RESPOND).await;
-    let tasks = || {
-        tokio::runtime::Handle::current()
-            .metrics()
-            .num_alive_tasks()
-    };
     // Once a request is answered, the server's own tasks have started.
     let mut idle = vec![TcpStream::connect(s.addr).await.unwrap()];
     assert!(ask(&mut idle[0]).await.unwrap().starts_with("HTTP/1.1 200"));
@@ -97,10 +100,66 @@ async fn an_idle_keep_alive_connection_is_one_task() {
         assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
         idle.push(c);
     }
-    assert_eq!(tasks() - before, 20);
-    // Still served.
+    wait_until(|| tasks() == before).await;
+    // Parked connections are served again.
     for c in &mut idle {
         assert!(ask(c).await.unwrap().starts_with("HTTP/1.1 200"));
+    }
+}
+
+/// A client that sends again soon after its answer is busy: its connection
+/// waits for it in its task instead of parking after each request (which
+/// would cost a task a request).
+#[tokio::test]
+async fn a_busy_connection_keeps_its_task() {
+    let s = Sluice::start(RESPOND).await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
+    let parked = tasks();
+    // Its next request comes at once: it is served, and waits in a task.
+    assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
+    assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
+    assert_eq!(tasks(), parked + 1);
+}
+
+/// Parked connections are closed as waiting ones are: by
+/// `server.header_timeout`, at shutdown, and at once when their client
+/// closes (its place under `max_connections` is free again).
+#[tokio::test]
+async fn parked_connections_close_by_timeout_by_shutdown_and_by_their_client() {
+    let s = Sluice::start(&format!(
+        "[server]\nheader_timeout = \"200ms\"\nmax_connections = 1\n{RESPOND}"
+    ))
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
+    let parked = tasks();
+    // Closed by the client: the one place is free at once.
+    drop(c);
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    let head = tokio::time::timeout(Duration::from_secs(5), ask(&mut c)).await;
+    assert!(head.expect("served").unwrap().starts_with("HTTP/1.1 200"));
+    // Parked again, then closed by header_timeout.
+    wait_until(|| tasks() == parked).await;
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut rest)).await;
+    assert!(read.is_ok(), "still open after 5 s");
+
+    let s = Sluice::start(RESPOND).await;
+    let mut first = TcpStream::connect(s.addr).await.unwrap();
+    assert!(ask(&mut first).await.unwrap().starts_with("HTTP/1.1 200"));
+    let before = tasks();
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
+    wait_until(|| tasks() == before).await;
+    // server.shutdown_timeout is 10 s: a parked connection left open would
+    // hold the shutdown that long.
+    tokio::time::timeout(Duration::from_secs(5), s.shutdown())
+        .await
+        .expect("shutdown waited for a parked connection");
+    for c in [&mut first, &mut c] {
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).await.unwrap();
     }
 }
 
