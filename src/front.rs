@@ -103,7 +103,7 @@ impl Client {
 /// A client that sends its next request within this time of its last
 /// answer is busy: its connection waits for it in its task rather than
 /// parking, so that a busy client's requests cost no task each.
-const BUSY_MS: u64 = 1000;
+pub const BUSY_MS: u64 = 1000;
 
 /// A client connection served here: plain TCP, or TLS over it.
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {
@@ -167,6 +167,8 @@ pub enum Served {
 /// nothing more read), unless the client is busy: the exchange began within
 /// [`BUSY_MS`] of the last request's end. A new connection's first exchange
 /// is not busy: a client that sends one request and idles is parked at once.
+/// A busy client's connection that then goes quiet is parked by the sweep
+/// (see [`Conn::asked_to_park`]).
 ///
 /// A connection waiting for its next request holds its socket and nothing
 /// else: no read buffer, no request, no timer (as nginx's keep-alive
@@ -184,7 +186,17 @@ pub async fn serve<S: Stream>(
     // Made at the first request and kept while the connection's task is.
     let mut keys = None;
     loop {
-        poll_fn(|cx| stream.poll_readable(cx)).await?;
+        // A busy client's connection waits here, in its task; once its client
+        // has been quiet for a while, the sweep asks it to park.
+        let asked = poll_fn(|cx| match stream.poll_readable(cx) {
+            Poll::Ready(read) => Poll::Ready(read.map(|()| false)),
+            Poll::Pending if conn.asked_to_park(cx.waker()) => Poll::Ready(Ok(true)),
+            Poll::Pending => Poll::Pending,
+        })
+        .await?;
+        if asked {
+            return Ok(Served::Idle);
+        }
         let busy = match park {
             Park::Never => true,
             Park::New => {

@@ -59,7 +59,12 @@ const STOPPING: u64 = 1 << 61;
 const CLOSING: u64 = 1 << 62;
 /// Its task has ended.
 const DONE: u64 = 1 << 63;
-const COUNT: u64 = HYPER - 1;
+/// Asked by the sweep to park: its task waits for a client that has sent
+/// nothing for a while (see [`Conn::asked_to_park`]).
+const PARK: u64 = 1 << 59;
+/// Its task may park it (sluice's own HTTP/1.1 server on plain TCP).
+const PARKABLE: u64 = 1 << 58;
+const COUNT: u64 = PARKABLE - 1;
 
 /// One client connection: its requests in flight, when it last had one,
 /// its task (or its socket, parked), and what its requests share
@@ -87,6 +92,9 @@ enum Slot {
     /// [`Connections::start`]).
     Starting(u32),
     Task(AbortHandle),
+    /// Its task waits for the client's next request and may park: the
+    /// sweep wakes it to, once the client has been quiet for a while.
+    Waiting(AbortHandle, Waker),
     /// No task: its socket waits for the client's next bytes.
     Parked(TcpStream),
 }
@@ -116,13 +124,69 @@ impl<T> Conn<T> {
         now_ms().saturating_sub(self.since_ms.load(Ordering::Acquire))
     }
 
+    /// For a task of the own server waiting for its client's next request:
+    /// whether the sweep asked it to park (its client has been quiet for
+    /// [`crate::front::BUSY_MS`]); if not, `waker` is kept for the sweep to
+    /// ask (see [`Connections::sweep`]). A client that sent a burst of
+    /// requests and then went quiet is so parked as one that sent one.
+    pub fn asked_to_park(&self, waker: &Waker) -> bool {
+        let state = self.state.fetch_and(!PARK, Ordering::AcqRel);
+        if state & PARK != 0 {
+            return true;
+        }
+        if state & PARKABLE == 0 {
+            return false;
+        }
+        let mut slot = self.slot();
+        match &mut *slot {
+            Slot::Waiting(_, kept) => {
+                if !kept.will_wake(waker) {
+                    *kept = waker.clone();
+                }
+            }
+            Slot::Task(_) => {
+                if let Slot::Task(task) = std::mem::replace(&mut *slot, Slot::Empty) {
+                    *slot = Slot::Waiting(task, waker.clone());
+                }
+            }
+            // Its handle is not kept yet: the next wait will be.
+            Slot::Empty | Slot::Starting(_) | Slot::Parked(_) => {}
+        }
+        false
+    }
+
+    /// The connection's task may park it (see [`Ended::park`]).
+    pub fn may_park(&self) {
+        self.state.fetch_or(PARKABLE, Ordering::AcqRel);
+    }
+
+    /// The sweep's part: wakes a task waiting for a client quiet for `idle_ms`
+    /// to park (see [`Conn::asked_to_park`]).
+    fn park_if_quiet(&self, idle_ms: u64) {
+        if idle_ms < crate::front::BUSY_MS {
+            return;
+        }
+        let mut slot = self.slot();
+        if !matches!(*slot, Slot::Waiting(..))
+            || self.state.load(Ordering::Acquire) & (COUNT | CLOSING | STOPPING | DONE) != 0
+        {
+            return;
+        }
+        if let Slot::Waiting(task, waker) = std::mem::replace(&mut *slot, Slot::Empty) {
+            *slot = Slot::Task(task);
+            self.state.fetch_or(PARK, Ordering::AcqRel);
+            drop(slot);
+            waker.wake();
+        }
+    }
+
     /// Closes the connection now, its requests in flight included (a
     /// client that stopped reading, see [`crate::stall`]); a parked one is
     /// closed here, its place under `server.max_connections` freed.
     pub fn close(&self) {
         let mut slot = self.slot();
         match &*slot {
-            Slot::Task(task) => task.abort(),
+            Slot::Task(task) | Slot::Waiting(task, _) => task.abort(),
             Slot::Parked(_) => {
                 self.state.fetch_or(DONE, Ordering::AcqRel);
                 let parked = std::mem::replace(&mut *slot, Slot::Empty);
@@ -396,9 +460,10 @@ impl Connections {
     pub fn sweep(&self) {
         let now = now_ms();
         self.list().retain(|conn| {
-            conn.close_if_idle(|| {
-                now.saturating_sub(conn.since_ms.load(Ordering::Acquire)) >= conn.limit_ms
-            });
+            let idle = now.saturating_sub(conn.since_ms.load(Ordering::Acquire));
+            if !conn.close_if_idle(|| idle >= conn.limit_ms) {
+                conn.park_if_quiet(idle);
+            }
             conn.state.load(Ordering::Acquire) & DONE == 0
         });
     }

@@ -111,8 +111,9 @@ async fn an_idle_keep_alive_connection_holds_no_task() {
 /// waits for it in its task instead of parking after each request (which
 /// would cost a task a request).
 #[tokio::test]
-async fn a_busy_connection_keeps_its_task() {
-    let s = Sluice::start(RESPOND).await;
+async fn a_busy_connection_keeps_its_task_until_its_client_is_quiet() {
+    // A sweep every 250 ms.
+    let s = Sluice::start(&format!("[server]\nheader_timeout = \"2s\"\n{RESPOND}")).await;
     let mut c = TcpStream::connect(s.addr).await.unwrap();
     assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
     let parked = tasks();
@@ -120,6 +121,9 @@ async fn a_busy_connection_keeps_its_task() {
     assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
     assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
     assert_eq!(tasks(), parked + 1);
+    // Quiet for a second: the sweep has it parked, and it is served again.
+    wait_until(|| tasks() == parked).await;
+    assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
 }
 
 /// Parked connections are closed as waiting ones are: by
