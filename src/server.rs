@@ -234,7 +234,7 @@ impl Hyper {
             // hyper copy the request's future once more.
             let conn = conn.clone();
             let keys = keys.clone();
-            async move {
+            let serving = async move {
                 let request = conn.begin();
                 let client = &conn.client;
                 let mut req = req.map(RequestBody::Stream);
@@ -267,7 +267,10 @@ impl Hyper {
                     body => Either::Left(body),
                 });
                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
-            }
+            };
+            // Boxed, made in place: hyper moves a stream's future into the
+            // stream's task, and this one is kilobytes (the proxy's phases).
+            Box::into_pin(Box::write(Box::new_uninit(), serving))
         });
         self.protocols
             .serve(TokioIo::new(io), proto, service, signal)
