@@ -36,7 +36,8 @@ import sys
 
 import redis
 
-from bench import cpu_seconds, free_port, wait_port  # the bench's own helpers
+from bench import cpu_seconds, free_port, redis_args, wait_port  # the bench's own helpers
+from redis_cost import tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
@@ -47,14 +48,6 @@ DECISIONS = 100_000
 LIMITS = [(1e9, 1000, 1, 1000, "1s:fixed"), (1e9, 60000, 1, 60000, "1m:fixed"),
           (1e9, 3600000, 1, 60000, "1h:sliding:1m")]
 KEY = b"sluice:{AAAAAAAAAAAAAAAAAAAAAA}:p"
-
-
-def tag(limit_id):
-    """The record tag: 64-bit FNV-1a of the limit id."""
-    h = 0xcbf29ce484222325
-    for b in limit_id.encode():
-        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
-    return h
 
 
 SPEC = b"".join(struct.pack(">BBdddQ", 1, alg, limit, window, param, tag(lid))
@@ -89,8 +82,7 @@ def variants():
 def run(acquire, batch):
     """redis-server's CPU µs per decision for `acquire` in batches of `batch`."""
     port = free_port()
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    server = subprocess.Popen(redis_args(port), stdout=subprocess.DEVNULL)
     try:
         wait_port(port)
         r = redis.Redis(port=port)
@@ -134,8 +126,7 @@ STEPS = [("struct.unpack of a counter ('>BBdddc8')", "local k, a, l, w, p, t = u
 def step_costs():
     """redis-server's CPU ns per step of STEPS."""
     port = free_port()
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    server = subprocess.Popen(redis_args(port), stdout=subprocess.DEVNULL)
     try:
         wait_port(port)
         r = redis.Redis(port=port)
