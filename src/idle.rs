@@ -168,7 +168,7 @@ impl<T> Conn<T> {
         }
         let mut slot = self.slot();
         if !matches!(*slot, Slot::Waiting(..))
-            || self.state.load(Ordering::Acquire) & (COUNT | CLOSING | STOPPING | DONE) != 0
+            || self.state.load(Ordering::Acquire) & (COUNT | HYPER | CLOSING | STOPPING | DONE) != 0
         {
             return;
         }
