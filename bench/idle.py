@@ -2,14 +2,15 @@
 """Memory per idle keep-alive client connection: sluice against nginx.
 
     python3 bench/idle.py [--conns N] [--rounds R] [--protocols h1,h1-tls,h2c,h2-tls]
-                          [--sluice NAME=BINARY ...]
+                          [--requests N] [--sluice NAME=BINARY ...]
 
 Each proxy runs one worker in front of the same upstream (nginx, `return 200
 "ok"`). For each round, protocol and proxy, a fresh proxy process is started
 and warmed (a few hundred connections, each one request, then closed); its
 resident memory (VmRSS) is read; then N client connections (default 10,000)
-each send one GET, read the whole answer, and stay open, idle; after a
-second to settle, VmRSS is read again. Reported: the growth divided by N, per
+each send one GET (`--requests N`: N, back to back), read the whole answer,
+and stay open, idle; after a second to settle (three with `--requests`),
+VmRSS is read again. Reported: the growth divided by N, per
 proxy and protocol, the median over the rounds, and sluice's ratio to nginx's
 (the median of each round's ratio: the setups of a round run back to back).
 
@@ -178,7 +179,7 @@ def h2_exchange(s, https):
             return
 
 
-def open_conns(port, proto, n):
+def open_conns(port, proto, n, requests=1):
     ctx = None
     if "tls" in proto:
         ctx = ssl.create_default_context()
@@ -191,10 +192,11 @@ def open_conns(port, proto, n):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ctx:
             s = ctx.wrap_socket(s, server_hostname="localhost")
-        if proto.startswith("h2"):
-            h2_exchange(s, ctx is not None)
-        else:
-            h1_exchange(s, post=proto == "h1-post")
+        for _ in range(requests):
+            if proto.startswith("h2"):
+                h2_exchange(s, ctx is not None)
+            else:
+                h1_exchange(s, post=proto == "h1-post")
         conns.append(s)
     return conns
 
@@ -219,7 +221,7 @@ def nginx_worker_rss(tmp, name, nofile, connections):
         master.wait(timeout=15)
 
 
-def measure(start, port, proto, n):
+def measure(start, port, proto, n, requests=1):
     """Starts a proxy (`start` returns its process and the pid whose memory
     counts), warms it, and returns its VmRSS growth per idle connection in
     bytes."""
@@ -230,8 +232,10 @@ def measure(start, port, proto, n):
             s.close()
         time.sleep(1)
         before = rss_kib(pid)
-        conns = open_conns(port, proto, n)
-        time.sleep(1)
+        conns = open_conns(port, proto, n, requests)
+        # A connection that was busy is parked a second or two after its
+        # last answer (see docs/design.md).
+        time.sleep(1 if requests == 1 else 3)
         after = rss_kib(pid)
         if proc.poll() is not None:
             raise RuntimeError("the proxy exited")
@@ -253,6 +257,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--protocols", default="h1", help=f"comma-separated, of {','.join(PROTOCOLS)}")
     ap.add_argument("--sluice", action="append", default=[], metavar="NAME=BINARY")
+    ap.add_argument("--requests", type=int, default=1,
+                    help="requests each connection sends, back to back, before it idles")
     args = ap.parse_args()
     protocols = args.protocols.split(",")
     for p in protocols:
@@ -314,7 +320,7 @@ def main():
                             p = subprocess.Popen([binary, "--config", conf], stdout=subprocess.DEVNULL,
                                                  stderr=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"))
                             return p, p.pid
-                    per_conn = measure(start, port, proto, args.conns)
+                    per_conn = measure(start, port, proto, args.conns, args.requests)
                     results[(s, proto)].append(per_conn)
                     print(f"round {rnd + 1} {proto:7} {s:14} {per_conn:8.0f} bytes per idle connection",
                           flush=True)
@@ -325,7 +331,8 @@ def main():
                 rs = results[(s, proto)]
                 ratio = statistics.median(r / n for r, n in zip(rs, results[("nginx", proto)]))
                 print(f"{proto:9}{s:15}{statistics.median(rs):11.0f}{ratio:9.2f}")
-        print(f"\nmedians of {args.rounds} round(s); {args.conns} connections, each one request, then idle; "
+        each = "one request" if args.requests == 1 else f"{args.requests} requests back to back"
+        print(f"\nmedians of {args.rounds} round(s); {args.conns} connections, each {each}, then idle; "
               f"growth of VmRSS after {WARM} warm-up connections; ratio: the median of each round's ratio")
         # nginx makes and touches a slot for each of its worker_connections at
         # start: memory its growth does not show.
