@@ -103,7 +103,7 @@ impl Client {
 /// A client that sends its next request within this time of its last
 /// answer is busy: its connection waits for it in its task rather than
 /// parking, so that a busy client's requests cost no task each.
-pub const BUSY_MS: u64 = 1000;
+pub const BUSY_MS: u64 = 250;
 
 /// A client connection served here: plain TCP, or TLS over it.
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {

@@ -7,7 +7,7 @@
 //! this itself (`header_read_timeout`, HTTP/1 only), but it makes and drops a
 //! timer for every request. Here a connection counts its requests in flight
 //! and notes when the last one ended, and the server's [`Connections`] looks
-//! at every connection once a tick ([`tick`]: a second at most) and closes
+//! at every connection once a tick ([`tick`]: a quarter second at most) and closes
 //! those idle for too long. So a connection costs no timer and no second
 //! task (a watchdog task per connection cost an idle connection more memory
 //! than the rest of it), and the timeout is kept to within a tick.
@@ -319,9 +319,11 @@ impl<B: Body + Unpin> Body for Tracked<B> {
 }
 
 /// How often [`Connections::sweep`] runs for a `header_timeout` of `limit`:
-/// an eighth of it, between 10 ms and a second.
+/// an eighth of it, between 10 ms and a quarter second (the sweep also
+/// parks the connections of clients gone quiet, see
+/// [`crate::front::BUSY_MS`]).
 pub fn tick(limit: Duration) -> Duration {
-    (limit / 8).clamp(Duration::from_millis(10), Duration::from_secs(1))
+    (limit / 8).clamp(Duration::from_millis(10), Duration::from_millis(250))
 }
 
 /// Spawns the task that serves a parked connection again (see
@@ -566,7 +568,7 @@ mod tests {
 
     #[test]
     fn ticks_follow_the_timeout_within_bounds() {
-        assert_eq!(tick(Duration::from_secs(30)), Duration::from_secs(1));
+        assert_eq!(tick(Duration::from_secs(30)), Duration::from_millis(250));
         assert_eq!(tick(Duration::from_millis(200)), Duration::from_millis(25));
         assert_eq!(tick(Duration::from_millis(1)), Duration::from_millis(10));
     }

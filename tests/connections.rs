@@ -121,7 +121,7 @@ async fn a_busy_connection_keeps_its_task_until_its_client_is_quiet() {
     assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
     assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
     assert_eq!(tasks(), parked + 1);
-    // Quiet for a second: the sweep has it parked, and it is served again.
+    // Quiet for a while: the sweep has it parked, and it is served again.
     wait_until(|| tasks() == parked).await;
     assert!(ask(&mut c).await.unwrap().starts_with("HTTP/1.1 200"));
 }
