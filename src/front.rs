@@ -183,6 +183,9 @@ pub async fn serve<S: Stream>(
     conn: &Arc<Conn>,
     mut park: Park,
 ) -> io::Result<Served> {
+    if !matches!(park, Park::Never) {
+        conn.may_park();
+    }
     // Made at the first request and kept while the connection's task is.
     let mut keys = None;
     loop {

@@ -89,7 +89,7 @@ enum Slot {
     /// Not begun, or ended.
     Empty,
     /// A task is being spawned for it: the spawn's number (see
-    /// [`Connections::start`]).
+    /// [`Connections::started`]).
     Starting(u32),
     Task(AbortHandle),
     /// Its task waits for the client's next request and may park: the
@@ -155,7 +155,8 @@ impl<T> Conn<T> {
         false
     }
 
-    /// The connection's task may park it (see [`Ended::park`]).
+    /// The connection's task may park it (see [`Ended::park`]): said by
+    /// [`crate::front::serve`], from its `park`.
     pub fn may_park(&self) {
         self.state.fetch_or(PARKABLE, Ordering::AcqRel);
     }
@@ -193,7 +194,7 @@ impl<T> Conn<T> {
                 drop(slot);
                 drop(parked);
                 if let Some(server) = self.server.upgrade() {
-                    server.permits.add_permits(1);
+                    server.release();
                 }
             }
             Slot::Empty | Slot::Starting(_) => {}
@@ -340,7 +341,7 @@ pub struct Connections {
     /// accepted and given back when it ends: held by no task, as a parked
     /// connection has none.
     permits: Arc<Semaphore>,
-    /// Numbers the spawns (see [`Connections::start`]).
+    /// Numbers the spawns (see [`Connections::started`]).
     spawns: AtomicU32,
     resume: Mutex<Option<Resume>>,
 }
@@ -371,8 +372,8 @@ impl Connections {
         }
     }
 
-    /// Gives back the place [`Connections::admit`] took, for a connection
-    /// that was not accepted after all.
+    /// Gives back the place [`Connections::admit`] took: the connection has
+    /// ended, or was not accepted after all.
     pub fn release(&self) {
         self.permits.add_permits(1);
     }
@@ -411,12 +412,13 @@ impl Connections {
         let spawn = self.spawns.fetch_add(1, Ordering::Relaxed);
         let stream = {
             let mut slot = conn.slot();
-            if !matches!(*slot, Slot::Parked(_)) {
-                return;
-            }
             match std::mem::replace(&mut *slot, Slot::Starting(spawn)) {
                 Slot::Parked(stream) => stream,
-                _ => return,
+                // Served or closed meanwhile: left as it was.
+                other => {
+                    *slot = other;
+                    return;
+                }
             }
         };
         let resume = self
@@ -549,7 +551,7 @@ impl Drop for Ended {
         drop(slot);
         drop(task);
         if let Some(server) = self.conn.server.upgrade() {
-            server.permits.add_permits(1);
+            server.release();
         }
     }
 }

@@ -295,7 +295,6 @@ fn plain(
     resumed: bool,
 ) -> impl Future<Output = ()> + Send {
     async move {
-        ended.conn().may_park();
         // A parked connection has served HTTP/1 already.
         let park = if resumed { Park::Resumed } else { Park::New };
         let served = if resumed || starts_as_http1(&stream).await {

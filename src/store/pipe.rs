@@ -262,7 +262,7 @@ pub struct Batching {
 
 /// Decisions in one batch, at most: a script runs alone in Redis, and
 /// a longer one would hold up other clients' commands.
-const MAX_BATCH: usize = 128;
+pub(super) const MAX_BATCH: usize = 128;
 
 /// The connection to one server, shared by every call.
 pub struct Pipe {

@@ -33,7 +33,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
 use redis::cluster::ClusterClient;
@@ -42,7 +42,7 @@ use redis::{RedisError, Script};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::pipe::{Batching, Command, Pending, Pipe, Reply, Target, is_noscript};
+use super::pipe::{Batching, Command, MAX_BATCH, Pending, Pipe, Reply, Target, is_noscript};
 use super::{Counter, CounterState, GIVE_UP, Memo, Outcome, PerCounter, StoreError};
 use crate::config::{Algorithm, ClockSource, StoreConfig};
 
@@ -52,11 +52,10 @@ static PLAN: &str = include_str!("../../lua/plan.lua");
 static LEASE: &str = include_str!("../../lua/lease.lua");
 static BATCH: &str = include_str!("../../lua/batch.lua");
 
-/// lua/batch.lua with acquire.lua's text in it: made when sluice starts, so
-/// that it is whatever acquire.lua the binary holds.
-fn batch_text() -> String {
-    BATCH.replacen("--@acquire.lua\n", &format!("{ACQUIRE}\n"), 1)
-}
+/// lua/batch.lua with acquire.lua's text in it: made once, when first
+/// needed, so that it is whatever acquire.lua the binary holds.
+static BATCH_TEXT: LazyLock<String> =
+    LazyLock::new(|| BATCH.replacen("--@acquire.lua\n", &format!("{ACQUIRE}\n"), 1));
 
 // One per process: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
@@ -220,10 +219,9 @@ impl RedisStore {
             Some(url) => {
                 let target =
                     Target::from_url(url, ca.as_deref()).map_err(StoreError::Unavailable)?;
-                let text = batch_text();
                 let batching = Batching {
-                    hash: Script::new(&text).get_hash().to_string(),
-                    text,
+                    hash: Script::new(&BATCH_TEXT).get_hash().to_string(),
+                    text: BATCH_TEXT.clone(),
                 };
                 Conn::Single(Pipe::new(target, config.timeout, Some(batching)))
             }
@@ -248,7 +246,7 @@ impl RedisStore {
             acquire: Script::new(ACQUIRE),
             refund: Script::new(REFUND),
             plan: Script::new(PLAN),
-            batch: Script::new(&batch_text()),
+            batch: Script::new(&BATCH_TEXT),
             lease: Script::new(LEASE),
             prefix: config.prefix.clone(),
             timeout: config.timeout,
@@ -262,11 +260,10 @@ impl RedisStore {
     /// (A single server's connection loads the batch script itself too, see
     /// `pipe.rs`.)
     pub async fn preload(&self) {
-        let batch = batch_text();
         for (script, text) in [
             (&self.acquire, ACQUIRE),
             (&self.refund, REFUND),
-            (&self.batch, batch.as_str()),
+            (&self.batch, BATCH_TEXT.as_str()),
         ] {
             let load = async {
                 match &self.conn {
@@ -459,7 +456,7 @@ impl RedisStore {
         let queued = {
             let mut behind = cluster.behind.lock().unwrap_or_else(|e| e.into_inner());
             match behind.get_mut(&tag) {
-                Some(queue) if queue.len() < 128 => {
+                Some(queue) if queue.len() < MAX_BATCH => {
                     let (tx, rx) = oneshot::channel();
                     queue.push((keys.to_vec(), arg.to_vec(), tx));
                     Some(Some(rx))
