@@ -310,18 +310,19 @@ def nginx_version():
     return tuple(int(x) for x in m.groups()) if m else (0, 0, 0)
 
 
-def nginx_conf(dir_, port, body, connections=8192):
+def nginx_conf(dir_, name, body, connections=8192):
     """One nginx worker as its operators tune it for keep-alive load: every
     connection ready is accepted at once (`multi_accept`), a client
     connection serves up to a million requests (the default, 1000, closes
     wrk's connections every second or so) and may idle for five minutes.
-    Its open-files limit is the one it inherits (see raise_nofile)."""
-    conf = os.path.join(dir_, f"nginx-{port}.conf")
+    Its open-files limit is the one it inherits (see raise_nofile). Its
+    files are named by `name` (its port, or what it is for)."""
+    conf = os.path.join(dir_, f"nginx-{name}.conf")
     with open(conf, "w") as f:
         f.write(f"""worker_processes 1;
 daemon off;
-pid {dir_}/nginx-{port}.pid;
-error_log {dir_}/nginx-{port}.log error;
+pid {dir_}/nginx-{name}.pid;
+error_log {dir_}/nginx-{name}.log error;
 events {{ worker_connections {connections}; multi_accept on; }}
 http {{
   access_log off;

@@ -44,45 +44,11 @@ import sys
 import tempfile
 import time
 
-from bench import free_port, wait_port  # the bench's own helpers
+from bench import children, free_port, nginx_conf, rss_kb, wait_port  # the bench's own helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTOCOLS = ["h1", "h1-tls", "h2c", "h2-tls", "h1-post"]
 WARM = 300
-
-
-def rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def nginx_conf(dir_, name, nofile, body):
-    """One nginx worker, keep-alive as in bench/bench.py (a client connection
-    may idle for five minutes), room for every connection of the run."""
-    conf = os.path.join(dir_, f"nginx-{name}.conf")
-    with open(conf, "w") as f:
-        f.write(f"""worker_processes 1;
-worker_rlimit_nofile {nofile};
-daemon off;
-pid {dir_}/nginx-{name}.pid;
-error_log {dir_}/nginx-{name}.log error;
-events {{ worker_connections {nofile}; multi_accept on; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  keepalive_timeout 300s;
-  {body}
-}}
-""")
-    return conf
 
 
 def proxy_nginx_body(port, up, proto, cert):
@@ -201,13 +167,11 @@ def open_conns(port, proto, n, requests=1):
     return conns
 
 
-def nginx_worker_rss(tmp, name, nofile, connections):
+def nginx_worker_rss(tmp, name, connections):
     """VmRSS (KiB) of an idle nginx worker started with `connections` slots."""
     port = free_port()
-    conf = nginx_conf(tmp, name, nofile, f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok"; }} }}')
-    conf_text = open(conf).read().replace(f"worker_connections {nofile};", f"worker_connections {connections};")
-    with open(conf, "w") as f:
-        f.write(conf_text)
+    conf = nginx_conf(tmp, name, f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok"; }} }}',
+                      connections)
     master = subprocess.Popen(["nginx", "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # The master listens before its worker has made its slots: an
@@ -215,7 +179,7 @@ def nginx_worker_rss(tmp, name, nofile, connections):
         wait_port(port)
         with socket.create_connection(("127.0.0.1", port)) as s:
             h1_exchange(s)
-        return rss_kib(children(master.pid)[0])
+        return rss_kb(children(master.pid)[0])
     finally:
         master.send_signal(signal.SIGTERM)
         master.wait(timeout=15)
@@ -231,12 +195,12 @@ def measure(start, port, proto, n, requests=1):
         for s in open_conns(port, proto, WARM):
             s.close()
         time.sleep(1)
-        before = rss_kib(pid)
+        before = rss_kb(pid)
         conns = open_conns(port, proto, n, requests)
         # A connection that was busy is parked a second or two after its
         # last answer (see docs/design.md).
         time.sleep(1 if requests == 1 else 3)
-        after = rss_kib(pid)
+        after = rss_kb(pid)
         if proc.poll() is not None:
             raise RuntimeError("the proxy exited")
         for s in conns:
@@ -286,8 +250,9 @@ def main():
                            check=True, capture_output=True)
         up = free_port()
         upstream = subprocess.Popen(
-            ["nginx", "-c", nginx_conf(tmp, "upstream", nofile,
-                                       f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}')],
+            ["nginx", "-c", nginx_conf(tmp, "upstream",
+                                       f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok"; }} }}',
+                                       nofile)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(up)
         setups = ["nginx"] + [name for name, _ in sluices]
@@ -300,8 +265,7 @@ def main():
                 for s in order:
                     port = free_port()
                     if s == "nginx":
-                        conf = nginx_conf(tmp, f"proxy-{proto}", nofile,
-                                          proxy_nginx_body(port, up, proto, cert))
+                        conf = nginx_conf(tmp, f"proxy-{proto}", proxy_nginx_body(port, up, proto, cert), nofile)
 
                         def start(conf=conf):
                             master = subprocess.Popen(["nginx", "-c", conf], stdout=subprocess.DEVNULL,
@@ -337,7 +301,7 @@ def main():
         # nginx makes and touches a slot for each of its worker_connections at
         # start: memory its growth does not show.
         small, large = 1024, nofile
-        slot = ((nginx_worker_rss(tmp, "slots-large", nofile, large) - nginx_worker_rss(tmp, "slots-small", nofile, small))
+        slot = ((nginx_worker_rss(tmp, "slots-large", large) - nginx_worker_rss(tmp, "slots-small", small))
                 * 1024 / (large - small))
         print(f"nginx also holds {slot:.0f} bytes per worker_connections slot from its start, used or not "
               f"(idle worker's VmRSS with {large} slots against {small})")
