@@ -1,11 +1,13 @@
 //! sluice's own HTTP/1.1 server, for client connections on plain TCP and
 //! over TLS (unless ALPN chose HTTP/2).
 //!
-//! It serves the usual request itself: HTTP/1.1, no body, no upgrade, no
-//! `Expect`, no `TE`. A head that cannot be parsed gets sluice's own `400`
-//! (problem+json, `Connection: close`). At the first request it does not
-//! serve (a body, an upgrade, `CONNECT`, HTTP/1.0, more header lines than it
-//! has room for, a head larger than [`MAX_HEAD`]), it hands the connection
+//! It serves the usual request itself: HTTP/1.1, no body or a small one
+//! framed by its `Content-Length` (read whole first, see [`MAX_BODY`]), no
+//! upgrade, no `Expect`, no `TE`. A head that cannot be parsed gets sluice's
+//! own `400` (problem+json, `Connection: close`). At the first request it
+//! does not serve (a larger or chunked body, an upgrade, `CONNECT`,
+//! HTTP/1.0, more header lines than it has room for, a head larger than
+//! [`MAX_HEAD`]), it hands the connection
 //! to hyper's server with every byte it has read and not used ([`Rewind`]),
 //! and hyper serves the rest of the connection. So everything unusual meets
 //! hyper's handling, as before, and the common `GET` skips hyper's
@@ -32,6 +34,7 @@
 //! (and its TLS session): see [`serve`].
 
 use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::io;
 use std::mem::MaybeUninit;
@@ -44,7 +47,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use bytes::{Buf, Bytes, BytesMut};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::Either;
-use hyper::body::Body as _;
+use hyper::body::{Body as _, Frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
@@ -62,6 +65,11 @@ use crate::stall::SendTimeout;
 pub const MAX_HEAD: usize = 8 * 1024;
 /// The 24 bytes a client speaking HTTP/2 with prior knowledge opens with.
 pub const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// The largest request body served here, read whole after its head (as
+/// nginx's `client_body_buffer_size`); a larger one, or one framed
+/// otherwise than by a `Content-Length`, goes to hyper, which streams it.
+/// Less when an upstream's `buffer` is less (see `State::read_whole`).
+pub const MAX_BODY: usize = 16 * 1024;
 /// Header lines a head may have here; more go to hyper (its limit is 100).
 const MAX_HEADERS: usize = 64;
 /// Body data up to this size is copied behind the head, to go out in one
@@ -251,12 +259,13 @@ async fn exchange<S: Stream>(
     let mut slot = None;
     let mut answer = None;
     let mut fields = HeadFields::default();
+    let max_body = client.proxy.read_whole();
     loop {
         // The next request's head, read as far as needed, its request made
         // in `slot`.
-        let close = loop {
-            match parse(buf, &mut slot, &mut fields) {
-                Parsed::Request(close) => break close,
+        let (close, body) = loop {
+            match parse(buf, &mut slot, &mut fields, max_body) {
+                Parsed::Request(close, body) => break (close, body),
                 Parsed::Partial if buf.len() < MAX_HEAD => {}
                 Parsed::Partial | Parsed::Other => {
                     return Ok(Next::Handoff(std::mem::take(buf)));
@@ -285,6 +294,23 @@ async fn exchange<S: Stream>(
         let Some(in_flight) = conn.begin() else {
             return Ok(Next::Closed);
         };
+        if body > 0 {
+            let idle = client.proxy.state().config.server.client_body_timeout;
+            match read_body(stream, buf, body, idle).await? {
+                BodyRead::Whole => {}
+                BodyRead::Closed => return Ok(Next::Closed),
+                BodyRead::Stalled => {
+                    // As hyper's bodies answer (see `RequestBody::take`).
+                    let mut resp = ProxyError::BodyTimeout(idle.as_millis()).response();
+                    let mut sending = SendTimeout::new(&mut *stream, client.send_timeout());
+                    write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
+                    sending.flush().await?;
+                    return Ok(Next::Closed);
+                }
+            }
+            let data = buf.split_to(body).freeze();
+            *req.body_mut() = RequestBody::Taken(VecDeque::from([Frame::data(data)]));
+        }
         // The request, or the client gone first (leaving no answer), each
         // polled where it is pinned (`select!` made more copies of the
         // request's future).
@@ -340,6 +366,37 @@ async fn exchange<S: Stream>(
             *out = Vec::new();
         }
     }
+}
+
+/// How reading a request body ended (see [`read_body`]).
+enum BodyRead {
+    Whole,
+    /// The client closed first.
+    Closed,
+    /// The client sent nothing for `server.client_body_timeout`.
+    Stalled,
+}
+
+/// Reads until `buf` holds the `len` bytes of a request body, each wait for
+/// the client bounded by `idle` (`server.client_body_timeout`), as it is
+/// for the bodies hyper reads.
+async fn read_body<S: Stream>(
+    stream: &mut S,
+    buf: &mut BytesMut,
+    len: usize,
+    idle: Duration,
+) -> io::Result<BodyRead> {
+    while buf.len() < len {
+        buf.reserve(len - buf.len());
+        match tokio::time::timeout(idle, stream.read_buf(buf)).await {
+            Err(_) => return Ok(BodyRead::Stalled),
+            Ok(Ok(0)) => return Ok(BodyRead::Closed),
+            Ok(read) => {
+                read?;
+            }
+        }
+    }
+    Ok(BodyRead::Whole)
 }
 
 /// What an exchange works with: the buffers it reads requests into and
@@ -401,6 +458,11 @@ impl Drop for Lent {
         } = std::mem::take(&mut self.0);
         read.clear();
         out.clear();
+        // Nor is a buffer a request body made large (it is not kept as a
+        // spare).
+        if read.capacity() > MAX_HEAD {
+            read = BytesMut::new();
+        }
         // A large body's copy is not kept.
         if out.capacity() > 4 * COPY_LIMIT {
             out = Vec::new();
@@ -428,9 +490,10 @@ pub fn spare_read_buffers() -> usize {
 
 /// What the front of the read buffer holds.
 enum Parsed {
-    /// A request served here, made in the caller's slot; `true`: its client
-    /// said `Connection: close`.
-    Request(bool),
+    /// A request served here, made in the caller's slot: whether its client
+    /// said `Connection: close`, and its body's length (its bytes follow
+    /// the head, see [`read_body`]).
+    Request(bool, usize),
     /// Not a whole head yet.
     Partial,
     /// A head for hyper: unusual, or one hyper judges (see `parse`).
@@ -446,6 +509,7 @@ fn parse(
     buf: &mut BytesMut,
     slot: &mut Option<Request<RequestBody>>,
     fields: &mut HeadFields,
+    max_body: usize,
 ) -> Parsed {
     if buf.is_empty() {
         return Parsed::Partial;
@@ -483,13 +547,18 @@ fn parse(
     let start = buf.as_ptr() as usize;
     let target = (target.as_ptr() as usize - start, target.len());
     let mut close = false;
+    let mut body = None;
     fields.clear();
     for &(name, value) in &read {
         // The names that decide whether the request is served here (by
         // length first: most names share none with them).
         match name.len() {
-            // An empty body said in so many words is still none.
-            14 if eq_lower(name, b"content-length") && value != b"0" => return Parsed::Other,
+            // One length, in digits, that a small body has (as hyper reads
+            // a length); any other is hyper's to judge.
+            14 if eq_lower(name, b"content-length") => match body_length(value) {
+                Some(len) if body.is_none() && len <= max_body => body = Some(len),
+                _ => return Parsed::Other,
+            },
             17 if eq_lower(name, b"transfer-encoding") => return Parsed::Other,
             7 if eq_lower(name, b"upgrade") => return Parsed::Other,
             6 if eq_lower(name, b"expect") => return Parsed::Other,
@@ -514,7 +583,7 @@ fn parse(
     match build(&head, target, method, slot) {
         Some(()) => {
             fields.set_head(head);
-            Parsed::Request(close)
+            Parsed::Request(close, body.unwrap_or(0))
         }
         None => {
             // hyper's to refuse: put the head back where it was.
@@ -525,6 +594,23 @@ fn parse(
             Parsed::Other
         }
     }
+}
+
+/// The length a `Content-Length` value says, as hyper reads one (ASCII
+/// digits, nothing else), if it is at most [`MAX_BODY`].
+fn body_length(value: &[u8]) -> Option<usize> {
+    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    // Leading zeros say nothing; more digits than MAX_BODY has say too much.
+    let digits = &value[value.iter().take_while(|&&b| b == b'0').count()..];
+    if digits.len() > 5 {
+        return None;
+    }
+    let len = digits
+        .iter()
+        .fold(0, |len, &b| len * 10 + usize::from(b - b'0'));
+    (len <= MAX_BODY).then_some(len)
 }
 
 /// What becomes of a head httparse does not give back (see [`Parsed`]).

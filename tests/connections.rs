@@ -532,6 +532,68 @@ async fn a_slow_upload_does_not_hold_a_one_worker_backend() {
     }
 }
 
+/// Reads from `c` until `n` answers have come, the last one's body `last`.
+async fn answers(c: &mut TcpStream, n: usize, last: &str) -> String {
+    let mut got = String::new();
+    while got.matches("HTTP/1.1 ").count() < n || !got.ends_with(&format!("\r\n\r\n{last}")) {
+        let mut chunk = [0u8; 4096];
+        let k = tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk))
+            .await
+            .expect("answers within 5 s")
+            .unwrap();
+        assert!(k > 0, "closed after {got:?}");
+        got.push_str(&String::from_utf8_lossy(&chunk[..k]));
+    }
+    got
+}
+
+/// A client that sends small bodies (a `Content-Length` up to 16 KiB) is
+/// served by sluice's own server, whose connections park once idle: such a
+/// connection holds no task between requests, as one that only sends `GET`
+/// does, and its bodies, pipelined or in pieces, reach the upstream whole.
+/// A larger body is still served (by hyper's server, which streams it).
+#[tokio::test]
+async fn a_client_that_sends_small_bodies_is_parked_when_idle() {
+    let upstream = one_worker_reading_bodies().await;
+    let s = Sluice::start(&proxy_to(&upstream)).await;
+    let mut first = TcpStream::connect(s.addr).await.unwrap();
+    first
+        .write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    answers(&mut first, 1, "0").await;
+    let before = tasks();
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"POST /a HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nhel")
+        .await
+        .unwrap();
+    c.write_all(b"lo").await.unwrap();
+    answers(&mut c, 1, "5").await;
+    wait_until(|| tasks() == before).await;
+    // Parked, it is served again: two bodies and a GET in one write.
+    c.write_all(
+        b"PUT /b HTTP/1.1\r\nhost: a\r\ncontent-length: 003\r\n\r\nabc\
+          POST /c HTTP/1.1\r\nhost: a\r\ncontent-length: 4\r\n\r\nGET GET /d HTTP/1.1\r\nhost: a\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let got = answers(&mut c, 3, "0").await;
+    let bodies: Vec<&str> = got
+        .split("HTTP/1.1 200 OK")
+        .skip(1)
+        .map(|a| a.rsplit("\r\n\r\n").next().unwrap())
+        .collect();
+    assert_eq!(bodies, ["3", "4", "0"], "{got}");
+    wait_until(|| tasks() == before).await;
+    let mut large = TcpStream::connect(s.addr).await.unwrap();
+    large
+        .write_all(b"POST /e HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")
+        .await
+        .unwrap();
+    large.write_all(&[b'x'; 20000]).await.unwrap();
+    answers(&mut large, 1, "20000").await;
+}
+
 /// An HTTP/2 request answered by sluice itself (here a 404) while its body
 /// is still coming is read first: a body that breaks its `content-length`
 /// then gets the PROTOCOL_ERROR HTTP/2 requires (RFC 9113 8.1.1), rather

@@ -77,8 +77,8 @@ fn check_front(input: &[u8]) -> Result<(), TestCaseError> {
     let mut slot = None;
     let mut fields = HeadFields::default();
     let hyper = hyper_reads(input);
-    match parse(&mut buf, &mut slot, &mut fields) {
-        Parsed::Request(_) => {
+    match parse(&mut buf, &mut slot, &mut fields, super::MAX_BODY) {
+        Parsed::Request(_, body) => {
             let Hyper::Complete(read) = hyper else {
                 return Err(TestCaseError::fail(format!("served; hyper: {hyper:?}")));
             };
@@ -96,12 +96,21 @@ fn check_front(input: &[u8]) -> Result<(), TestCaseError> {
             prop_assert!(fields.to_map().is_some(), "a header map takes them");
             prop_assert_eq!(fields.head().len(), read.len);
             prop_assert_eq!(&buf[..], &input[read.len..]);
-            // A body, an upgrade or an expectation is hyper's.
+            // A body framed otherwise than by one length, an upgrade or an
+            // expectation is hyper's; a length is read as hyper reads it.
+            let mut lengths = Vec::new();
             for (name, value) in &read.fields {
                 let name = name.to_ascii_lowercase();
-                let bodied = name == b"content-length" && value != b"0";
+                if name == b"content-length" {
+                    lengths.push(hyper_length(value));
+                }
                 let others: [&[u8]; 4] = [b"transfer-encoding", b"upgrade", b"expect", b"te"];
-                prop_assert!(!bodied && !others.contains(&&name[..]));
+                prop_assert!(!others.contains(&&name[..]));
+            }
+            match lengths[..] {
+                [] => prop_assert_eq!(body, 0),
+                [length] => prop_assert_eq!(length, Some(body as u64)),
+                _ => return Err(TestCaseError::fail("served with two lengths")),
             }
         }
         Parsed::Partial => {
@@ -117,6 +126,98 @@ fn check_front(input: &[u8]) -> Result<(), TestCaseError> {
             prop_assert_eq!(&buf[..], input);
         }
         Parsed::Other => prop_assert_eq!(&buf[..], input),
+    }
+    Ok(())
+}
+
+/// A `Content-Length` value as hyper's server reads it (`from_digits`).
+fn hyper_length(value: &[u8]) -> Option<u64> {
+    if value.is_empty() {
+        return None;
+    }
+    value.iter().try_fold(0u64, |n, &b| {
+        b.is_ascii_digit()
+            .then(|| n.checked_mul(10)?.checked_add(u64::from(b - b'0')))
+            .flatten()
+    })
+}
+
+/// What hyper's server makes of `input`, sent whole on a connection that
+/// the client then closes: the target and body of each request it reads,
+/// in order.
+fn hyper_serves(input: &[u8]) -> Vec<(String, Vec<u8>)> {
+    use http_body_util::{BodyExt, Empty};
+    use std::sync::{Arc, Mutex};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let noted = seen.clone();
+        let service =
+            hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                let noted = noted.clone();
+                async move {
+                    let target = req.uri().to_string();
+                    if let Ok(body) = req.into_body().collect().await {
+                        noted
+                            .lock()
+                            .unwrap()
+                            .push((target, body.to_bytes().to_vec()));
+                    }
+                    Ok::<_, std::convert::Infallible>(http::Response::new(
+                        Empty::<bytes::Bytes>::new(),
+                    ))
+                }
+            });
+        // (Half-closed: the requests read before the client's end are
+        // served, not dropped with it.)
+        let conn = hyper::server::conn::http1::Builder::new()
+            .half_close(true)
+            .serve_connection(hyper_util::rt::TokioIo::new(server), service);
+        let (mut answers, mut requests) = tokio::io::split(client);
+        let talk = async {
+            let _ = requests.write_all(input).await;
+            let _ = requests.shutdown().await;
+            let _ = answers.read_to_end(&mut Vec::new()).await;
+        };
+        let both = async { tokio::join!(conn, talk) };
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), both).await;
+        seen.lock().unwrap().clone()
+    })
+}
+
+/// A request with a body is framed here as hyper frames it: when the front
+/// serves a head with a length, hyper reads the same body after it, and
+/// what follows (another request) is read alike.
+fn check_body(input: &[u8]) -> Result<(), TestCaseError> {
+    let mut buf = BytesMut::from(input);
+    let mut slot = None;
+    let mut fields = HeadFields::default();
+    let Parsed::Request(_, len) = parse(&mut buf, &mut slot, &mut fields, super::MAX_BODY) else {
+        // Hyper's to serve, or refused as hyper refuses (`check_front`).
+        return Ok(());
+    };
+    if buf.len() < len {
+        // Both wait for more.
+        return Ok(());
+    }
+    let body = buf.split_to(len);
+    let hyper = hyper_serves(input);
+    prop_assert!(!hyper.is_empty(), "served here, refused by hyper");
+    prop_assert_eq!(&hyper[0].1[..], &body[..]);
+    let mut next = None;
+    match parse(&mut buf, &mut next, &mut fields, super::MAX_BODY) {
+        Parsed::Request(_, 0) => {
+            prop_assert_eq!(hyper.len(), 2);
+            let uri = next.as_ref().expect("a request made").uri().to_string();
+            prop_assert_eq!(&hyper[1].0, &uri);
+        }
+        Parsed::Malformed(_) | Parsed::Partial => prop_assert_eq!(hyper.len(), 1),
+        Parsed::Request(..) | Parsed::Other => {}
     }
     Ok(())
 }
@@ -295,6 +396,74 @@ fn usual_request() -> impl Strategy<Value = Vec<u8>> {
         ]
         .concat()
     })
+}
+
+/// A usual head with a body and what a client sends with it: its length
+/// spelled as clients should and as they should not, once or twice, beside
+/// other framings now and then; then another request.
+fn bodied_request() -> impl Strategy<Value = Vec<u8>> {
+    let body = prop_oneof![
+        20 => vec(any::<u8>(), 0..40),
+        1 => vec(any::<u8>(), super::MAX_BODY - 2..super::MAX_BODY + 3),
+    ];
+    let spelling = select(vec![
+        "{n}",
+        "{n}",
+        "{n}",
+        "0{n}",
+        "000{n}",
+        "{m}",
+        "{l}",
+        "+{n}",
+        "-{n}",
+        " {n} ",
+        "{n},{n}",
+        "{n}, {n}",
+        "",
+        "0x{n}",
+        "{n}.0",
+        "{n}\r\ncontent-length: {n}",
+        "{n}\r\ncontent-length: {m}",
+        "{n}\r\ntransfer-encoding: chunked",
+        "{n}\r\nexpect: 100-continue",
+        "184467440737095516160{n}",
+        "00000000000000000000000{n}",
+    ]);
+    let method = words(&["POST", "PUT", "GET", "PATCH"]);
+    (method, spelling, body, any::<bool>()).prop_map(|(method, spelling, body, late)| {
+        let n = body.len();
+        let length = spelling
+            .replace("{n}", &n.to_string())
+            .replace("{m}", &(n + 1).to_string())
+            .replace("{l}", &n.saturating_sub(1).to_string());
+        let (before, after) = if late {
+            ("", "x-late: 1\r\n")
+        } else {
+            ("x-early: 1\r\n", "")
+        };
+        [
+            &method[..],
+            b" /up HTTP/1.1\r\nhost: a\r\n",
+            before.as_bytes(),
+            b"content-length: ",
+            length.as_bytes(),
+            b"\r\n",
+            after.as_bytes(),
+            b"\r\n",
+            &body,
+            b"GET /next HTTP/1.1\r\nhost: a\r\n\r\n",
+        ]
+        .concat()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn a_body_is_framed_as_hyper_frames_it(input in bodied_request()) {
+        check_front(&input)?;
+        check_body(&input)?;
+    }
 }
 
 proptest! {

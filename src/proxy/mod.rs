@@ -96,6 +96,11 @@ pub struct State {
     /// new connections use the current state's, so a reload puts a renewed
     /// certificate in service.
     pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The largest request body sluice's own HTTP/1.1 server reads whole
+    /// before the request is routed: [`crate::front::MAX_BODY`], or the
+    /// least upstream `buffer` if less (an upstream that takes bodies as
+    /// they come gets them so, through hyper's server).
+    pub read_whole: usize,
 }
 
 /// Where a config's shared item lives: what the per-request lookups of its
@@ -148,7 +153,13 @@ impl State {
             Some(files) => Some(crate::tls::server_config(files)?.into()),
             None => None,
         };
+        let read_whole = config
+            .upstreams
+            .iter()
+            .map(|u| u.buffer)
+            .fold(crate::front::MAX_BODY, usize::min);
         Ok(State {
+            read_whole,
             router: Router::new(&config.routes, config.server.escaped_slashes),
             config,
             clients,
@@ -276,6 +287,11 @@ impl Proxy {
 
     pub fn state(&self) -> Arc<State> {
         self.state.load_full()
+    }
+
+    /// The current config's [`State::read_whole`].
+    pub fn read_whole(&self) -> usize {
+        self.state.load().read_whole
     }
 
     /// Puts a new config in place for new requests; requests in flight finish
