@@ -76,7 +76,8 @@ itself as much as the proxy, and the table says so.
 Then two runs of sluice with Redis: many distinct client identities (random
 X-Forwarded-For from a trusted peer), and most requests rejected (deny cache
 warm); nginx, haproxy and sluice (no policy) with requests that carry eight
-more fields, as browsers and API clients send (wrk sends only Host); and the
+more fields, as browsers and API clients send (wrk sends only Host), and
+with `POST`s of a small JSON body; and the
 memory per idle keep-alive connection: fresh nginx, haproxy and sluice
 processes each take 10,000 client connections (`--idle`) that make one
 request and stay open, idle; the growth of the proxy process's resident
@@ -475,6 +476,17 @@ def fields_lua(dir_):
     script = os.path.join(dir_, "fields.lua")
     with open(script, "w") as f:
         f.write("".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in REAL_FIELDS))
+    return script
+
+
+def post_lua(dir_):
+    """A wrk script: every request is a `POST` with a small JSON body, as an
+    API client sends."""
+    script = os.path.join(dir_, "post.lua")
+    with open(script, "w") as f:
+        f.write('wrk.method = "POST"\n'
+                'wrk.headers["Content-Type"] = "application/json"\n'
+                'wrk.body = \'{"user":"alice","items":[1,2,3],"note":"a small JSON body of a hundred bytes"}\'\n')
     return script
 
 
@@ -1053,6 +1065,12 @@ upstream = "api"
         for i in range(max(2, args.rounds // 2)):
             for s in trio[i % 3:] + trio[:i % 3]:
                 fielded[s].append(run(s, C50, args.duration, script=fields))
+        # And as API clients write: a POST with a small JSON body.
+        post = post_lua(tmp)
+        posted = {s: [] for s in trio}
+        for i in range(max(2, args.rounds // 2)):
+            for s in trio[i % 3:] + trio[:i % 3]:
+                posted[s].append(run(s, C50, args.duration, script=post))
 
         # Memory per idle keep-alive connection, on fresh processes (a
         # process that served the runs above holds memory its allocator
@@ -1251,6 +1269,14 @@ upstream = "api"
                      + f" (sluice {fx:.2f}x {fpeer}'s); req/s "
                      + ", ".join(f"{s} {med(fielded[s], 'rps'):.0f}" for s in trio) + "; p99 "
                      + ", ".join(f"{s} {med(fielded[s], 'p99'):.2f}" for s in trio) + " ms")
+        ppeer = min(PEERS, key=lambda p: med(posted[p], "cpu_us"))
+        px = paired(posted["sluice"], posted[ppeer], "cpu_us")
+        lines.append(f"{C50.label} POST with a 78-byte JSON body, the median of {len(posted['sluice'])} runs "
+                     f"each: CPU us per request "
+                     + ", ".join(f"{s} {med(posted[s], 'cpu_us'):.1f}" for s in trio)
+                     + f" (sluice {px:.2f}x {ppeer}'s); req/s "
+                     + ", ".join(f"{s} {med(posted[s], 'rps'):.0f}" for s in trio) + "; p99 "
+                     + ", ".join(f"{s} {med(posted[s], 'p99'):.2f}" for s in trio) + " ms")
         lines.append(f"memory per idle keep-alive connection (connections that made one request each, fresh "
                      f"processes, RSS growth read 1 s after the last answer): "
                      + ", ".join(f"{name} {v['kb']:.2f} KB ({v['before_kb']} -> {v['after_kb']} KB, "

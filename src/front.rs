@@ -34,7 +34,6 @@
 //! (and its TLS session): see [`serve`].
 
 use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::io;
 use std::mem::MaybeUninit;
@@ -47,7 +46,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use bytes::{Buf, Bytes, BytesMut};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::Either;
-use hyper::body::{Body as _, Frame};
+use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
@@ -309,7 +308,7 @@ async fn exchange<S: Stream>(
                 }
             }
             let data = buf.split_to(body).freeze();
-            *req.body_mut() = RequestBody::Taken(VecDeque::from([Frame::data(data)]));
+            *req.body_mut() = RequestBody::Read(data);
         }
         // The request, or the client gone first (leaving no answer), each
         // polled where it is pinned (`select!` made more copies of the

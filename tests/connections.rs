@@ -585,6 +585,20 @@ async fn a_client_that_sends_small_bodies_is_parked_when_idle() {
         .collect();
     assert_eq!(bodies, ["3", "4", "0"], "{got}");
     wait_until(|| tasks() == before).await;
+    // A client that names `Content-Length` in `Connection` (a hop-by-hop
+    // field, not forwarded) still has its body framed upstream (read here
+    // by hyper's server, which counts it).
+    let up = Upstream::start().await;
+    let strict = Sluice::start(&proxy_to(&up.url())).await;
+    let mut c = TcpStream::connect(strict.addr).await.unwrap();
+    c.write_all(
+        b"POST /upload HTTP/1.1\r\nhost: a\r\nconnection: content-length\r\n\
+          content-length: 2\r\n\r\nokPOST /upload HTTP/1.1\r\nhost: a\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let got = answers(&mut c, 2, "0").await;
+    assert!(got.contains("\r\n\r\n2HTTP/1.1 200"), "{got}");
     let mut large = TcpStream::connect(s.addr).await.unwrap();
     large
         .write_all(b"POST /e HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")

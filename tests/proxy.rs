@@ -708,7 +708,8 @@ async fn connections_without_a_request_close_after_header_timeout() {
 }
 
 /// One client connection whose requests are served by sluice's own HTTP/1.1
-/// server until one with a body hands the connection to hyper's, read by a
+/// server until one with a large body hands the connection to hyper's
+/// (small ones are read whole by the own server), read by a
 /// strict HTTP/1.1 client (hyper's) that fails on any framing error.
 #[tokio::test]
 async fn one_connection_goes_from_the_own_server_to_hypers_intact() {
@@ -755,10 +756,20 @@ async fn one_connection_goes_from_the_own_server_to_hypers_intact() {
     let (pong, body) = ask("GET", "/ping", empty()).await;
     assert_eq!((pong.status, &body[..]), (StatusCode::OK, &b"pong"[..]));
     assert!(pong.headers.contains_key("date"));
-    // A body: from here on hyper's server has the connection.
+    // A small body is read here, and goes the own way.
     let upload = Full::new(bytes::Bytes::from_static(b"hello")).map_err(|e| match e {});
     let (uploaded, body) = ask("POST", "/upload", upload.boxed()).await;
     assert_eq!((uploaded.status, &body[..]), (StatusCode::OK, &b"5"[..]));
+    assert_eq!(up.conns.load(SeqCst), 1, "the own pool's connection");
+    // A large body: from here on hyper's server has the connection.
+    let large = bytes::Bytes::from(vec![b'x'; sluice::front::MAX_BODY + 1]);
+    let upload = Full::new(large).map_err(|e| match e {});
+    let (uploaded, body) = ask("POST", "/upload", upload.boxed()).await;
+    let size = (sluice::front::MAX_BODY + 1).to_string();
+    assert_eq!(
+        (uploaded.status, &body[..]),
+        (StatusCode::OK, size.as_bytes())
+    );
     let (after, body) = ask("GET", "/bytes/70000", empty()).await;
     assert_eq!((after.status, body.len()), (StatusCode::OK, 70_000));
     assert_eq!(

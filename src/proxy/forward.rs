@@ -252,11 +252,19 @@ pub fn upstream_head(
     } else {
         Vec::new()
     };
+    // A body read whole goes behind the head (see `RequestBody::Read`): its
+    // length is said here, in place of the client's field, which the
+    // client's `Connection` might have named.
+    let read = match req.body() {
+        RequestBody::Read(data) => Some(data.len()),
+        _ => None,
+    };
     let mut prior_for: SmallVec<[&[u8]; 2]> = SmallVec::new();
     for (name, value) in fields.iter() {
         if hop_position_of(name).is_some()
             || eq_lower(name, b"host")
             || named.iter().any(|n| eq_lower(name, n.as_str().as_bytes()))
+            || (read.is_some() && eq_lower(name, b"content-length"))
         {
             continue;
         }
@@ -285,6 +293,10 @@ pub fn upstream_head(
     line(&mut head, b"x-forwarded-proto", proto);
     if let Some(host) = host {
         line(&mut head, b"x-forwarded-host", host.as_bytes());
+    }
+    if let Some(len) = read {
+        use std::io::Write as _;
+        let _ = write!(&mut *head, "content-length: {len}\r\n");
     }
     head.extend_from_slice(b"\r\n");
     Ok(head)

@@ -843,15 +843,17 @@ impl Proxy {
                 self.https,
             )
             .map_err(ProxyError::BadRequest)?;
-            let head = if trailers {
-                let mut head = head;
+            let mut head = head;
+            if trailers {
                 let end = head.len() - 2;
                 head.truncate(end);
                 head.extend_from_slice(b"te: trailers\r\n\r\n");
-                head
-            } else {
-                head
-            };
+            }
+            // A body read whole goes in the same write; the head has its
+            // one `Content-Length`.
+            if let RequestBody::Read(body) = req.body() {
+                head.extend_from_slice(body);
+            }
             let method = req.method().clone();
             let exchange = pin!(client.request_own(server, head, method));
             sent = tokio::time::Instant::now();

@@ -205,15 +205,16 @@ impl UpstreamClient {
     }
 
     /// Whether a request for `server` goes the own way ([`request_own`]):
-    /// plain HTTP, no body, no upgrade, not `CONNECT`. Others go through
-    /// hyper's client ([`request`]).
+    /// plain HTTP, no body or one read whole ([`RequestBody::Read`]), no
+    /// upgrade, not `CONNECT`. Others go through hyper's client
+    /// ([`request`]).
     ///
     /// [`request_own`]: UpstreamClient::request_own
     /// [`request`]: UpstreamClient::request
     pub fn own_way(server: &UpstreamServer, req: &Request<RequestBody>, upgrade: bool) -> bool {
         server.scheme != http::uri::Scheme::HTTPS
             && !upgrade
-            && req.body().is_end_stream()
+            && (req.body().is_end_stream() || matches!(req.body(), RequestBody::Read(_)))
             && req.method() != Method::CONNECT
     }
 
@@ -272,8 +273,9 @@ impl UpstreamClient {
         }
     }
 
-    /// Sends a request without a body the own way ([`h1`]): its `head`,
-    /// HTTP/1.1 bytes, as [`own_way`](UpstreamClient::own_way) allows.
+    /// Sends a request the own way ([`h1`]): its `head`, HTTP/1.1 bytes
+    /// (with its body behind, if it has one), as
+    /// [`own_way`](UpstreamClient::own_way) allows.
     pub async fn request_own(
         &self,
         server: &UpstreamServer,
@@ -633,6 +635,10 @@ pub enum RequestBody {
     /// Taken whole from the client before forwarding (see
     /// [`RequestBody::take`]).
     Taken(VecDeque<Frame<Bytes>>),
+    /// Read whole by sluice's own server (at most [`crate::front::MAX_BODY`]
+    /// bytes), framed by its request's one `Content-Length`, which says its
+    /// size: it may go the own way, behind the head.
+    Read(Bytes),
     /// Larger than the upstream's `buffer`: what was taken, then the rest.
     Begun(VecDeque<Frame<Bytes>>, Incoming),
     /// The client's, on its way upstream (see [`RequestBody::watch`]).
@@ -825,6 +831,8 @@ impl Body for RequestBody {
         match self.get_mut() {
             RequestBody::Stream(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
             RequestBody::Taken(frames) => Poll::Ready(frames.pop_front().map(Ok)),
+            RequestBody::Read(data) if data.is_empty() => Poll::Ready(None),
+            RequestBody::Read(data) => Poll::Ready(Some(Ok(Frame::data(std::mem::take(data))))),
             RequestBody::Begun(frames, body) => match frames.pop_front() {
                 Some(frame) => Poll::Ready(Some(Ok(frame))),
                 None => Pin::new(body).poll_frame(cx).map_err(Into::into),
@@ -838,6 +846,7 @@ impl Body for RequestBody {
         match self {
             RequestBody::Stream(body) => body.is_end_stream(),
             RequestBody::Taken(frames) => frames.is_empty(),
+            RequestBody::Read(data) => data.is_empty(),
             RequestBody::Begun(..) => false,
             RequestBody::Uploading(body) => body.first.is_empty() && body.inner.is_end_stream(),
             RequestBody::Empty => true,
@@ -848,6 +857,7 @@ impl Body for RequestBody {
         match self {
             RequestBody::Stream(body) => body.size_hint(),
             RequestBody::Taken(frames) => SizeHint::with_exact(data_size(frames)),
+            RequestBody::Read(data) => SizeHint::with_exact(data.len() as u64),
             RequestBody::Begun(frames, body) => after(data_size(frames), body.size_hint()),
             RequestBody::Uploading(body) => after(data_size(&body.first), body.inner.size_hint()),
             RequestBody::Empty => SizeHint::with_exact(0),
