@@ -207,6 +207,8 @@ pub async fn serve<S: Stream>(
         if asked {
             return Ok(Served::Idle);
         }
+        // Nothing served yet on this connection (see `exchange`).
+        let first = keys.is_none() && !matches!(park, Park::Resumed);
         let busy = match park {
             Park::Never => true,
             Park::New => {
@@ -217,7 +219,7 @@ pub async fn serve<S: Stream>(
         };
         // The box is made first and the future in it: `Box::pin` made the
         // future on the stack and copied it.
-        let exchange = Box::write(Box::new_uninit(), exchange(stream, conn, &mut keys));
+        let exchange = Box::write(Box::new_uninit(), exchange(stream, conn, &mut keys, first));
         match Box::into_pin(exchange).await? {
             Next::Idle if !busy => return Ok(Served::Idle),
             Next::Idle => {}
@@ -238,11 +240,12 @@ enum Next {
 
 /// Serves the requests the client has sent, as they come, until all are
 /// answered and nothing more has been read (or the connection closes, or has
-/// a request for hyper).
+/// a request for hyper). `first`: the connection has served nothing yet.
 async fn exchange<S: Stream>(
     stream: &mut S,
     conn: &Arc<Conn>,
     keys: &mut Option<Box<KeyCache>>,
+    mut first: bool,
 ) -> io::Result<Next> {
     let client = &conn.client;
     let keys = &**keys.get_or_insert_with(Box::default);
@@ -269,6 +272,11 @@ async fn exchange<S: Stream>(
                 Parsed::Partial | Parsed::Other => {
                     return Ok(Next::Handoff(std::mem::take(buf)));
                 }
+                // A connection that opens with bytes that are no HTTP/1
+                // request line at all (no `HTTP/` version: a client whose
+                // HTTP/2 preface is wrong, RFC 9113 3.4) is closed, as an
+                // HTTP/2 server closes it, not answered in HTTP/1.1.
+                Parsed::Malformed(_) if first && !names_http(buf) => return Ok(Next::Closed),
                 Parsed::Malformed(why) => {
                     let mut resp = ProxyError::BadRequest(why).response();
                     let mut sending = SendTimeout::new(&mut *stream, client.send_timeout());
@@ -349,6 +357,7 @@ async fn exchange<S: Stream>(
             Some(&mut *buf),
         )
         .await?;
+        first = false;
         // Dropped where they are (`drop` would copy them first).
         answer = None;
         slot = None;
@@ -593,6 +602,13 @@ fn parse(
             Parsed::Other
         }
     }
+}
+
+/// Whether the first line of `buf` names an HTTP version (`HTTP/`), as an
+/// HTTP/1 request line does, right or wrong.
+fn names_http(buf: &[u8]) -> bool {
+    let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
+    line.windows(6).any(|w| w == b" HTTP/")
 }
 
 /// The length a `Content-Length` value says, as hyper reads one (ASCII

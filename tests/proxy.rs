@@ -227,9 +227,20 @@ async fn malformed_requests_are_400_and_harmless() {
     assert!(no_host.contains("application/problem+json"), "{no_host}");
     let two_hosts = raw(sluice.addr, b"GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n").await;
     assert!(two_hosts.starts_with("HTTP/1.1 400"), "{two_hosts}");
+    // A connection that opens with no HTTP/1 request line at all (no
+    // `HTTP/` version: here h2spec's invalid HTTP/2 preface, a TLS hello)
+    // is closed unanswered, as an HTTP/2 server closes it (RFC 9113 3.4).
+    for garbage in [
+        &b"INVALID CONNECTION PREFACE\r\n\r\n"[..],
+        b"\x00\x01\x02garbage\r\n\r\n",
+        b"\x16\x03\x01\x00\x05\x01\x00\x00\x01\x00\r\n\r\n",
+    ] {
+        let reply = raw(sluice.addr, garbage).await;
+        assert_eq!(reply, "", "{:?}", String::from_utf8_lossy(garbage));
+    }
     // Heads that do not parse: sluice's own answer, and the connection closes.
     for garbage in [
-        &b"\x00\x01\x02garbage\r\n\r\n"[..],
+        &b"GET /ping HTTP/1.1\r\nhost: a\r\n\r\n\x00\x01\x02garbage\r\n\r\n"[..],
         b"GET /\x7f HTTP/1.1\r\nhost: a\r\n\r\n",
         b"GET / HTTP/9.9\r\nhost: a\r\n\r\n",
         b"GET / HTTP/2.0\r\nhost: a\r\n\r\n",
