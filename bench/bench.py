@@ -1055,22 +1055,23 @@ upstream = "api"
         extra["mostly rejected"] = run("sluice-reject", C50, args.duration)
 
         # Requests as browsers and API clients send them: eight more fields
-        # (about 330 bytes), where wrk sends only Host. A proxy's cost grows
-        # with each field it reads and passes on, so this shows how the
-        # figures above carry over. Runs of the peers and sluice back to
-        # back, each time starting one later.
-        fields = fields_lua(tmp)
+        # (about 330 bytes), where wrk sends only Host; and as API clients
+        # write, a POST with a small JSON body. A proxy's cost grows with
+        # each field it reads and passes on, so this shows how the figures
+        # above carry over.
         trio = PEERS + ["sluice"]
-        fielded = {s: [] for s in trio}
-        for i in range(max(2, args.rounds // 2)):
-            for s in trio[i % 3:] + trio[:i % 3]:
-                fielded[s].append(run(s, C50, args.duration, script=fields))
-        # And as API clients write: a POST with a small JSON body.
-        post = post_lua(tmp)
-        posted = {s: [] for s in trio}
-        for i in range(max(2, args.rounds // 2)):
-            for s in trio[i % 3:] + trio[:i % 3]:
-                posted[s].append(run(s, C50, args.duration, script=post))
+
+        def trio_runs(script):
+            """Runs of the peers and sluice with `script`, back to back, each
+            time starting one later."""
+            runs = {s: [] for s in trio}
+            for i in range(max(2, args.rounds // 2)):
+                for s in trio[i % 3:] + trio[:i % 3]:
+                    runs[s].append(run(s, C50, args.duration, script=script))
+            return runs
+
+        fielded = trio_runs(fields_lua(tmp))
+        posted = trio_runs(post_lua(tmp))
 
         # Memory per idle keep-alive connection, on fresh processes (a
         # process that served the runs above holds memory its allocator
@@ -1261,22 +1262,17 @@ upstream = "api"
                 f"CPU {r['cpu_us']:.1f} us per request = {r['cpu_vs_none']:.2f}x no policy, req/s "
                 f"{r['rps_vs_none']:.2f}x no policy, Redis {r['redis_us']:.1f} us and {r['redis_calls']:.2f} "
                 f"calls per request"))
-        fpeer = min(PEERS, key=lambda p: med(fielded[p], "cpu_us"))
-        fx = paired(fielded["sluice"], fielded[fpeer], "cpu_us")
-        lines.append(f"{C50.label} requests with eight more fields (as browsers and API clients send), the median of "
-                     f"{len(fielded['sluice'])} runs each: CPU us per request "
-                     + ", ".join(f"{s} {med(fielded[s], 'cpu_us'):.1f}" for s in trio)
-                     + f" (sluice {fx:.2f}x {fpeer}'s); req/s "
-                     + ", ".join(f"{s} {med(fielded[s], 'rps'):.0f}" for s in trio) + "; p99 "
-                     + ", ".join(f"{s} {med(fielded[s], 'p99'):.2f}" for s in trio) + " ms")
-        ppeer = min(PEERS, key=lambda p: med(posted[p], "cpu_us"))
-        px = paired(posted["sluice"], posted[ppeer], "cpu_us")
-        lines.append(f"{C50.label} POST with a 78-byte JSON body, the median of {len(posted['sluice'])} runs "
-                     f"each: CPU us per request "
-                     + ", ".join(f"{s} {med(posted[s], 'cpu_us'):.1f}" for s in trio)
-                     + f" (sluice {px:.2f}x {ppeer}'s); req/s "
-                     + ", ".join(f"{s} {med(posted[s], 'rps'):.0f}" for s in trio) + "; p99 "
-                     + ", ".join(f"{s} {med(posted[s], 'p99'):.2f}" for s in trio) + " ms")
+        def trio_line(what, runs):
+            peer = min(PEERS, key=lambda p: med(runs[p], "cpu_us"))
+            x = paired(runs["sluice"], runs[peer], "cpu_us")
+            return (f"{C50.label} {what}, the median of {len(runs['sluice'])} runs each: CPU us per request "
+                    + ", ".join(f"{s} {med(runs[s], 'cpu_us'):.1f}" for s in trio)
+                    + f" (sluice {x:.2f}x {peer}'s); req/s "
+                    + ", ".join(f"{s} {med(runs[s], 'rps'):.0f}" for s in trio) + "; p99 "
+                    + ", ".join(f"{s} {med(runs[s], 'p99'):.2f}" for s in trio) + " ms")
+
+        lines.append(trio_line("requests with eight more fields (as browsers and API clients send)", fielded))
+        lines.append(trio_line("POST with a 78-byte JSON body", posted))
         lines.append(f"memory per idle keep-alive connection (connections that made one request each, fresh "
                      f"processes, RSS growth read 1 s after the last answer): "
                      + ", ".join(f"{name} {v['kb']:.2f} KB ({v['before_kb']} -> {v['after_kb']} KB, "
@@ -1290,7 +1286,7 @@ upstream = "api"
         with open(os.path.join(RESULTS, "table.txt"), "w") as f:
             f.write(table + "\n")
         with open(os.path.join(RESULTS, "results.json"), "w") as f:
-            json.dump({"rows": rows, "extra": extra, "fielded": fielded, "idle": idle}, f, indent=1)
+            json.dump({"rows": rows, "extra": extra, "fielded": fielded, "posted": posted, "idle": idle}, f, indent=1)
         svg_plot(rows, os.path.join(RESULTS, "plot.svg"))
         # Redis memory and CPU per identity for the policy, hour window full.
         identities = "10000" if args.quick else "100000"
