@@ -849,8 +849,8 @@ impl Proxy {
                 head.truncate(end);
                 head.extend_from_slice(b"te: trailers\r\n\r\n");
             }
-            // A body read whole goes in the same write; the head has its
-            // one `Content-Length`.
+            // A body read whole goes in the same write, behind the head,
+            // which says its length (see `upstream_head`).
             if let RequestBody::Read(body) = req.body() {
                 head.extend_from_slice(body);
             }
