@@ -309,6 +309,7 @@ async fn exchange<S: Stream>(
                 BodyRead::Stalled => {
                     // As hyper's bodies answer (see `RequestBody::take`).
                     let mut resp = ProxyError::BodyTimeout(idle.as_millis()).response();
+                    client.proxy.answered_unrouted(req, resp.status());
                     let mut sending = SendTimeout::new(&mut *stream, client.send_timeout());
                     write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
                     sending.flush().await?;

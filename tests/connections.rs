@@ -347,6 +347,9 @@ async fn a_silent_upload_gets_408() {
         head.to_ascii_lowercase().contains("connection: close"),
         "{head}"
     );
+    // Counted, though never routed: its body had not come.
+    let counted = "sluice_requests_total{route=\"-\",status=\"408\"}";
+    assert_eq!(s.metric(counted).await, 1.0);
 }
 
 #[tokio::test]

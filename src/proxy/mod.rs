@@ -294,6 +294,24 @@ impl Proxy {
         self.state.load().read_whole
     }
 
+    /// Counts and logs, as [`Proxy::handle`] does, a request sluice's own
+    /// server answered with `status` before it was routed (its body
+    /// stopped coming: `408`): under no route (`route="-"`).
+    pub fn answered_unrouted<B>(&self, req: &Request<B>, status: StatusCode) {
+        self.state
+            .load()
+            .unrouted
+            .count(&self.metrics, status.as_u16());
+        tracing::info!(
+            target: "sluice::access",
+            method = %req.method(),
+            path = %req.uri().path(),
+            route = "-",
+            status = status.as_u16(),
+            decision = "none",
+        );
+    }
+
     /// Puts a new config in place for new requests; requests in flight finish
     /// on the one they started with, and connections stay open.
     ///
