@@ -267,6 +267,77 @@ async fn decisions_sent_together_answer_and_write_as_one_by_one() {
     assert_eq!(keys.len(), 15, "{keys:?}");
 }
 
+/// Decisions identical but for their nonce (one busy client's: the same
+/// counters, cost and time) go to Redis as one that charges their costs
+/// together, and each gets the answer it would have had alone; a run that
+/// would not all pass is sent again, one by one. Compared with the same
+/// decisions sent one by one: answers, marks and what Redis holds.
+#[tokio::test]
+async fn identical_decisions_are_decided_as_one_and_answered_each() {
+    let redis = RedisServer::start();
+    let batched = store(&redis, "b:");
+    let single = store(&redis, "s:");
+    batched.preload().await;
+    single.preload().await;
+    // Windows (a GCRA, a log or concurrency slots are never joined).
+    let counters = |id: &str| {
+        vec![
+            counter(id, 50, 1_000, Algorithm::Fixed),
+            counter(
+                id,
+                120,
+                10_000,
+                Algorithm::Sliding {
+                    precision: Duration::from_secs(1),
+                },
+            ),
+        ]
+    };
+    let mut rng = Rng(0x1de7_1ca1);
+    let mut now = 1_800_000_000_123u64;
+    let (mut decisions, mut denied, mut slowest) = (0u64, 0u64, 0);
+    redis.reset_stats();
+    for round in 0..60 {
+        now += rng.below(300);
+        let set = counters(["a", "b"][rng.below(2) as usize]);
+        let cost = 1 + rng.below(3);
+        let size = 2 + rng.below(40);
+        let began = redis_ms(&redis);
+        let answers: Vec<Outcome> = together(
+            (0..size)
+                .map(|_| batched.acquire(&set, None, cost, 1, now))
+                .collect(),
+        )
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+        for b in answers {
+            let s = single.acquire(&set, None, cost, 1, now).await.unwrap();
+            assert_eq!(
+                (b.allowed, b.now_ms, &b.states, &b.marks),
+                (s.allowed, s.now_ms, &s.states, &s.marks),
+                "round {round}, decision {decisions}"
+            );
+            denied += u64::from(!b.allowed);
+            decisions += 1;
+        }
+        slowest = slowest.max(redis_ms(&redis) - began + 2);
+        same_in_redis(&redis, &format!("round {round}"), slowest);
+    }
+    assert!(
+        denied > 100 && decisions - denied > 100,
+        "{denied} of {decisions} refused"
+    );
+    // The one-by-one store made a call a decision; the batched one far
+    // fewer, its refused runs' second tries included.
+    let batched_calls = redis.calls("evalsha") - decisions;
+    assert!(
+        batched_calls < decisions / 3,
+        "{batched_calls} calls for {decisions}"
+    );
+}
+
 /// Redis's clock, in unix ms.
 fn redis_ms(redis: &RedisServer) -> i64 {
     let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut redis.conn()).unwrap();

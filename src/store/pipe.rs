@@ -14,7 +14,10 @@
 //! them, and a key several of them share once. A decision that finds nothing
 //! gathering is queued as it is, and goes out as such unless another joins
 //! it before the writer runs: nothing waits for company, so a lone request
-//! is not delayed.
+//! is not delayed. Decisions that follow each other in a batch and differ
+//! only in their nonce (one busy client's, on windows) go as one charging
+//! their costs together, and each gets the answer it would have had alone
+//! (see [`Gather::add`]).
 //!
 //! The connection is made lazily, and again after any failure, by the first
 //! call that finds it down. One attempt runs at a time; the calls that waited
@@ -467,8 +470,10 @@ struct LinkState {
     batch: Gather,
     waiting: VecDeque<Waiting>,
     /// How many of `waiting` each reply to come answers, in order: 1, or a
-    /// batch's size (its reply is an array of their answers).
-    replies: VecDeque<usize>,
+    /// batch's calls (its reply is an array of their answers), and the
+    /// batch's runs of identical decisions, each answered once (see
+    /// [`Gather::add`]).
+    replies: VecDeque<(usize, Vec<Run>)>,
     /// How many calls at the front of `waiting` have timed out: the watchdog
     /// looks past them.
     timed_out: usize,
@@ -490,19 +495,117 @@ struct Gather {
     /// Hashes of the keys so far, until one comes twice: then `shared`.
     seen: Vec<u64>,
     shared: bool,
+    /// Where the decision added last starts in `keys` and `args`.
+    last: Option<(usize, usize)>,
+    /// Decisions made one with the one before them (see [`Gather::add`]).
+    runs: Vec<Run>,
+    /// The decision being added, whole (see [`Gather::add`]).
+    scratch: Vec<u8>,
+}
+
+/// Decisions identical but for their nonce, sent as one that charges their
+/// costs together (see [`Gather::add`]).
+#[derive(Debug)]
+struct Run {
+    /// Its place in the batch's answer.
+    at: usize,
+    /// The calls it answers, in order.
+    calls: usize,
+    /// Each one's cost.
+    cost: f64,
+    /// One of them, as its own call, and its layout: what each is queued
+    /// as again when the run is refused.
+    single: Vec<u8>,
+    script: Script,
+}
+
+/// A decision's cost, from its argument (see [`joinable`]).
+fn cost_of(arg: &[u8]) -> f64 {
+    f64::from_be_bytes(arg[9..17].try_into().unwrap_or_default())
+}
+
+/// The payload of a RESP bulk string that starts `bytes` (see [`next_bulk`]).
+fn payload(bytes: &[u8]) -> Option<&[u8]> {
+    next_bulk(bytes).map(|(payload, _)| payload)
+}
+
+/// Whether a decision's argument (acquire.lua's `ARGV[1]`) may be made one
+/// with identical ones, charging their costs together: a check and charge
+/// (mode 1) of fixed, sliding or calendar windows only. For these, `k`
+/// decisions of cost `c` all pass one by one exactly when one of cost `k·c`
+/// passes, and charge the same; the `i`-th one's answer is that one's, each
+/// counter's remaining `(k - i)·c` higher. (A GCRA's reset, a log's or a
+/// concurrency limit's entries differ from decision to decision.)
+fn joinable(arg: &[u8]) -> bool {
+    arg.len() >= 25
+        && (arg.len() - 25).is_multiple_of(34)
+        && arg[0] == 1
+        && arg[25..]
+            .chunks(34)
+            .all(|counter| matches!(counter[1], 1 | 4))
 }
 
 impl Gather {
-    /// Adds a decision: `keys` and `arg` as they are in its command.
-    fn add(&mut self, keys: &[u8], key_count: usize, arg: &[&[u8]]) {
+    /// Adds a decision: `keys` and `arg` as they are in its command;
+    /// `single` makes its command whole. A decision identical to the one
+    /// added last but for its nonce (the same keys and counters, cost, mode
+    /// and time: one busy client's requests) is made one with it, the
+    /// costs added (see [`joinable`]): Redis then decides the run once.
+    fn add(
+        &mut self,
+        keys: &[u8],
+        key_count: usize,
+        arg: &[&[u8]],
+        single: impl FnOnce() -> Vec<u8>,
+        script: Script,
+        join: bool,
+    ) {
+        self.scratch.clear();
+        for part in arg {
+            self.scratch.extend_from_slice(part);
+        }
+        if join
+            && let Some((keys_at, args_at)) = self.last
+            && self.keys[keys_at..] == *keys
+            && let (Some(last), Some(this)) =
+                (payload(&self.args[args_at..]), payload(&self.scratch))
+            && joinable(this)
+            && last.len() == this.len()
+            && last[..9] == this[..9]
+            && last[25..] == this[25..]
+            && cost_of(this)
+                == match self.runs.last() {
+                    Some(run) if run.at == self.count - 1 => run.cost,
+                    _ => cost_of(last),
+                }
+        {
+            let cost = cost_of(this);
+            let total = cost_of(last) + cost;
+            // The payload's place in `args`: after `$LEN\r\n`.
+            let at = args_at + (self.args.len() - args_at - last.len() - 2) + 9;
+            self.args[at..at + 8].copy_from_slice(&total.to_be_bytes());
+            let at = self.count - 1;
+            match self.runs.last_mut() {
+                Some(run) if run.at == at => run.calls += 1,
+                _ => self.runs.push(Run {
+                    at,
+                    calls: 2,
+                    cost,
+                    single: single(),
+                    script,
+                }),
+            }
+            return;
+        }
+        // (A decision sent again after its run was refused is joined by
+        // none: each such goes on its own.)
+        self.last = join.then_some((self.keys.len(), self.args.len()));
         self.count += 1;
         self.keys.extend_from_slice(keys);
         self.key_count += key_count;
         // (At most 255: see `Link::send`.)
         self.sizes.push(key_count as u8);
-        for part in arg {
-            self.args.extend_from_slice(part);
-        }
+        self.args.extend_from_slice(&self.scratch);
         // Whether a key is another decision's too (a decision's own keys
         // differ): the script then keeps keys between decisions, which costs
         // it more than it saves when none is shared.
@@ -519,8 +622,8 @@ impl Gather {
     }
 
     /// Writes the batch to `out` as one `EVALSHA` of the script `hash`, and
-    /// empties it.
-    fn close(&mut self, out: &mut Vec<u8>, hash: &[u8]) {
+    /// empties it; returns its runs.
+    fn close(&mut self, out: &mut Vec<u8>, hash: &[u8]) -> Vec<Run> {
         let mut head = Command::new(3 + self.key_count + 1 + self.count, hash.len());
         head.arg(b"EVALSHA").arg(hash).arg_number(self.key_count);
         out.extend_from_slice(&head.0);
@@ -539,7 +642,33 @@ impl Gather {
         self.args.clear();
         self.seen.clear();
         self.shared = false;
+        self.last = None;
+        std::mem::take(&mut self.runs)
     }
+}
+
+/// The answers of a run of `calls` decisions of `cost` each from the
+/// answer of the one that stood for them, when it passed: the `i`-th one's
+/// is the same, each counter's remaining `(calls - i)·cost` higher (see
+/// [`joinable`]). `None` when it did not pass.
+fn spread(answer: &Reply, calls: usize, cost: f64) -> Option<Vec<Reply>> {
+    let Reply::Bulk(Some(bytes)) = answer else {
+        return None;
+    };
+    if bytes.first() != Some(&1) || bytes.len() < 9 || !(bytes.len() - 9).is_multiple_of(24) {
+        return None;
+    }
+    let each = (1..=calls).map(|i| {
+        let mut mine = bytes.clone();
+        for at in (9..mine.len()).step_by(24) {
+            let field = &mut mine[at..at + 8];
+            let remaining = f64::from_be_bytes(field.try_into().unwrap_or_default());
+            let more = (calls - i) as f64 * cost;
+            field.copy_from_slice(&(remaining + more).to_be_bytes());
+        }
+        Reply::Bulk(Some(mine))
+    });
+    Some(each.collect())
 }
 
 /// The first RESP bulk string of `bytes` (`$LEN\r\nBYTES\r\n`, as
@@ -604,7 +733,7 @@ impl Link {
                             }
                         }
                     }
-                    s.replies.push_back(1);
+                    s.replies.push_back((1, Vec::new()));
                 }
             }
             (was_empty, sooner)
@@ -630,31 +759,43 @@ impl Link {
         head: &[u8],
         script: Script,
     ) {
-        let keys = &cmd.0[script.keys..script.arg];
-        // The argument, with `head` in it (`head` is within it, or empty:
-        // `Link::send` checked).
-        let arg: [&[u8]; 3] = if head.is_empty() {
-            [&cmd.0[script.arg..], &[], &[]]
+        // The command with `head` in its argument (`head` is within it, or
+        // empty: `Link::send` checked).
+        let whole = if head.is_empty() {
+            [&cmd.0[..], &[][..], &[][..]]
         } else {
-            [&cmd.0[script.arg..at], head, &cmd.0[at + head.len()..]]
+            cmd.with(at, head)
         };
+        self.queue_whole(s, whole, script, true);
+    }
+
+    /// [`Link::queue_decision`] of a decision's command as the
+    /// concatenation of `whole`, its keys and the start of its argument in
+    /// the first part. `join`: it may be made one with the decision before
+    /// it (see [`Gather::add`]).
+    fn queue_whole(&self, s: &mut LinkState, whole: [&[u8]; 3], script: Script, join: bool) {
+        let keys = &whole[0][script.keys..script.arg];
+        let arg = [&whole[0][script.arg..], whole[1], whole[2]];
         if s.batch.count == 0 {
             let Some((start, lone)) = s.lone.take() else {
                 s.lone = Some((s.out.len(), script));
-                for part in cmd.with(at, head) {
+                for part in whole {
                     s.out.extend_from_slice(part);
                 }
-                s.replies.push_back(1);
+                s.replies.push_back((1, Vec::new()));
                 return;
             };
             // The lone decision, still unsent, leaves `out` for the batch.
             let (from, to) = (start + lone.keys, start + lone.arg);
-            s.batch.add(&s.out[from..to], lone.count, &[&s.out[to..]]);
+            let (lone_keys, lone_arg) = (&s.out[from..to], &s.out[to..]);
+            s.batch
+                .add(lone_keys, lone.count, &[lone_arg], Vec::new, lone, false);
             s.out.truncate(start);
         }
-        s.batch.add(keys, script.count, &arg);
+        s.batch
+            .add(keys, script.count, &arg, || whole.concat(), script, join);
         if let Some(last) = s.replies.back_mut() {
-            *last += 1;
+            last.0 += 1;
         }
         if s.batch.count == MAX_BATCH {
             self.close(s);
@@ -668,7 +809,10 @@ impl Link {
         if s.batch.count > 0
             && let Some(batching) = &self.batching
         {
-            s.batch.close(&mut s.out, batching.hash.as_bytes());
+            let runs = s.batch.close(&mut s.out, batching.hash.as_bytes());
+            if let Some(last) = s.replies.back_mut() {
+                last.1 = runs;
+            }
         }
     }
 
@@ -681,15 +825,15 @@ impl Link {
     /// oldest batch each its answer (any of which may have given up, or
     /// timed out). `done` is room for them, kept from reply to reply.
     fn deliver(&self, reply: Reply, done: &mut Vec<Waiting>) -> Result<(), String> {
-        let count = {
+        let (count, runs) = {
             let mut s = self.lock();
-            let count = s.replies.pop_front().unwrap_or(1);
+            let (count, runs) = s.replies.pop_front().unwrap_or((1, Vec::new()));
             if s.waiting.len() < count {
                 return Err("Redis sent a reply nobody asked for".into());
             }
             s.timed_out = s.timed_out.saturating_sub(count);
             done.extend(s.waiting.drain(..count));
-            count
+            (count, runs)
         };
         if count == 1 {
             if let Some(tx) = done.pop().and_then(|w| w.reply) {
@@ -698,11 +842,38 @@ impl Link {
             return Ok(());
         }
         let lost = is_noscript(&reply);
+        let joined: usize = runs.iter().map(|r| r.calls - 1).sum();
         match reply {
-            Reply::Array(Some(answers)) if answers.len() == count => {
-                for (w, answer) in done.drain(..).zip(answers) {
-                    if let Some(tx) = w.reply {
-                        let _ = tx.send(Ok(answer));
+            Reply::Array(Some(answers)) if answers.len() + joined == count => {
+                let mut calls = done.drain(..);
+                let mut runs = runs.into_iter().peekable();
+                for (i, answer) in answers.into_iter().enumerate() {
+                    let Some(run) = runs.next_if(|r| r.at == i) else {
+                        if let Some(tx) = calls.next().and_then(|w| w.reply) {
+                            let _ = tx.send(Ok(answer));
+                        }
+                        continue;
+                    };
+                    let run_calls = calls.by_ref().take(run.calls);
+                    match spread(&answer, run.calls, run.cost) {
+                        Some(each) => {
+                            for (w, answer) in run_calls.zip(each) {
+                                if let Some(tx) = w.reply {
+                                    let _ = tx.send(Ok(answer));
+                                }
+                            }
+                        }
+                        // Refused: not all of them pass, and none was
+                        // charged. Each goes again as itself.
+                        None if matches!(answer, Reply::Bulk(_)) => self.resend(&run, run_calls),
+                        // An error would be each one's.
+                        None => {
+                            for w in run_calls {
+                                if let Some(tx) = w.reply {
+                                    let _ = tx.send(Ok(answer.clone()));
+                                }
+                            }
+                        }
                     }
                 }
             }
@@ -722,6 +893,37 @@ impl Link {
             self.load_batch_script();
         }
         Ok(())
+    }
+
+    /// Queues the calls of a refused run again (see [`Gather::add`]), after
+    /// everything queued, each as its own decision: they may go in one
+    /// batch, but not as one again.
+    fn resend(&self, run: &Run, calls: impl Iterator<Item = Waiting>) {
+        let mut sooner = false;
+        {
+            let mut s = self.lock();
+            for w in calls {
+                if w.reply.is_none() {
+                    continue;
+                }
+                if let Some(e) = &s.error {
+                    if let Some(tx) = w.reply {
+                        let _ = tx.send(Err(StoreError::Unavailable(e.clone())));
+                    }
+                    continue;
+                }
+                if s.alarm.is_none_or(|a| w.deadline < a) {
+                    s.alarm = Some(w.deadline);
+                    sooner = true;
+                }
+                s.waiting.push_back(w);
+                self.queue_whole(&mut s, [&run.single, &[], &[]], run.script, false);
+            }
+        }
+        self.wake.notify_one();
+        if sooner {
+            self.watch.notify_one();
+        }
     }
 
     /// Queues `SCRIPT LOAD` of the batch script, whose reply no one waits
@@ -1184,7 +1386,12 @@ mod tests {
         let flag = |decisions: &[&[&[u8]]]| {
             let mut g = Gather::default();
             for d in decisions {
-                g.add(&keys(d), d.len(), &[b"$1\r\nx\r\n"]);
+                let script = Script {
+                    keys: 0,
+                    arg: 0,
+                    count: d.len(),
+                };
+                g.add(&keys(d), d.len(), &[b"$1\r\nx\r\n"], Vec::new, script, true);
             }
             let mut out = Vec::new();
             g.close(&mut out, b"h");
