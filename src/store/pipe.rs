@@ -463,9 +463,10 @@ struct Link {
 struct LinkState {
     out: Vec<u8>,
     /// The decision queued last while it is unsent and last in `out`: where
-    /// its command starts there, and its layout. A next decision makes the
-    /// two a batch.
-    lone: Option<(usize, Script)>,
+    /// its command starts there, its layout, and whether a decision like it
+    /// may be made one with it (see [`Gather::add`]). A next decision makes
+    /// the two a batch.
+    lone: Option<(usize, Script, bool)>,
     /// The batch being gathered (after everything in `out`), if any.
     batch: Gather,
     waiting: VecDeque<Waiting>,
@@ -777,8 +778,8 @@ impl Link {
         let keys = &whole[0][script.keys..script.arg];
         let arg = [&whole[0][script.arg..], whole[1], whole[2]];
         if s.batch.count == 0 {
-            let Some((start, lone)) = s.lone.take() else {
-                s.lone = Some((s.out.len(), script));
+            let Some((start, lone, lone_joins)) = s.lone.take() else {
+                s.lone = Some((s.out.len(), script, join));
                 for part in whole {
                     s.out.extend_from_slice(part);
                 }
@@ -788,8 +789,14 @@ impl Link {
             // The lone decision, still unsent, leaves `out` for the batch.
             let (from, to) = (start + lone.keys, start + lone.arg);
             let (lone_keys, lone_arg) = (&s.out[from..to], &s.out[to..]);
-            s.batch
-                .add(lone_keys, lone.count, &[lone_arg], Vec::new, lone, false);
+            s.batch.add(
+                lone_keys,
+                lone.count,
+                &[lone_arg],
+                Vec::new,
+                lone,
+                lone_joins,
+            );
             s.out.truncate(start);
         }
         s.batch
