@@ -278,11 +278,8 @@ async fn exchange<S: Stream>(
                 // HTTP/2 server closes it, not answered in HTTP/1.1.
                 Parsed::Malformed(_) if first && !names_http(buf) => return Ok(Next::Closed),
                 Parsed::Malformed(why) => {
-                    let mut resp = ProxyError::BadRequest(why).response();
-                    let mut sending = SendTimeout::new(&mut *stream, client.send_timeout());
-                    write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
-                    sending.flush().await?;
-                    return Ok(Next::Closed);
+                    let resp = ProxyError::BadRequest(why).response();
+                    return answer_and_close(stream, out, resp, client.send_timeout()).await;
                 }
             }
             // Reclaims the space of heads already served.
@@ -308,12 +305,9 @@ async fn exchange<S: Stream>(
                 BodyRead::Closed => return Ok(Next::Closed),
                 BodyRead::Stalled => {
                     // As hyper's bodies answer (see `RequestBody::take`).
-                    let mut resp = ProxyError::BodyTimeout(idle.as_millis()).response();
+                    let resp = ProxyError::BodyTimeout(idle.as_millis()).response();
                     client.proxy.answered_unrouted(req, resp.status());
-                    let mut sending = SendTimeout::new(&mut *stream, client.send_timeout());
-                    write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
-                    sending.flush().await?;
-                    return Ok(Next::Closed);
+                    return answer_and_close(stream, out, resp, client.send_timeout()).await;
                 }
             }
             let data = buf.split_to(body).freeze();
@@ -375,6 +369,20 @@ async fn exchange<S: Stream>(
             *out = Vec::new();
         }
     }
+}
+
+/// Sends sluice's own answer `resp` (a `400`, a `408`: it says
+/// `Connection: close`), and ends the connection.
+async fn answer_and_close<S: Stream>(
+    stream: &mut S,
+    out: &mut Vec<u8>,
+    mut resp: Response<Body>,
+    send_timeout: Duration,
+) -> io::Result<Next> {
+    let mut sending = SendTimeout::new(&mut *stream, send_timeout);
+    write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
+    sending.flush().await?;
+    Ok(Next::Closed)
 }
 
 /// How reading a request body ended (see [`read_body`]).
@@ -613,20 +621,16 @@ fn names_http(buf: &[u8]) -> bool {
 }
 
 /// The length a `Content-Length` value says, as hyper reads one (ASCII
-/// digits, nothing else), if it is at most [`MAX_BODY`].
+/// digits, nothing else, not past `usize`).
 fn body_length(value: &[u8]) -> Option<usize> {
-    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+    if value.is_empty() {
         return None;
     }
-    // Leading zeros say nothing; more digits than MAX_BODY has say too much.
-    let digits = &value[value.iter().take_while(|&&b| b == b'0').count()..];
-    if digits.len() > 5 {
-        return None;
-    }
-    let len = digits
-        .iter()
-        .fold(0, |len, &b| len * 10 + usize::from(b - b'0'));
-    (len <= MAX_BODY).then_some(len)
+    value.iter().try_fold(0usize, |len, &b| {
+        b.is_ascii_digit()
+            .then(|| len.checked_mul(10)?.checked_add(usize::from(b - b'0')))
+            .flatten()
+    })
 }
 
 /// What becomes of a head httparse does not give back (see [`Parsed`]).

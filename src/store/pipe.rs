@@ -582,8 +582,9 @@ impl Gather {
         {
             let cost = cost_of(this);
             let total = cost_of(last) + cost;
-            // The payload's place in `args`: after `$LEN\r\n`.
-            let at = args_at + (self.args.len() - args_at - last.len() - 2) + 9;
+            // The cost's place in `args`: in the payload, which ends two
+            // bytes (`\r\n`) before them.
+            let at = self.args.len() - 2 - last.len() + 9;
             self.args[at..at + 8].copy_from_slice(&total.to_be_bytes());
             let at = self.count - 1;
             match self.runs.last_mut() {
