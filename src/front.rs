@@ -536,8 +536,8 @@ fn parse(
     let (len, method, target) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read) {
         Some(line) => (line.len, line.method, line.target),
         None => {
-            // The HTTP/2 preface, from a TLS client that chose no protocol
-            // (on plain TCP the server looks first): hyper's to serve.
+            // The HTTP/2 preface (prior knowledge, or a TLS client that
+            // chose no protocol): hyper's to serve (see `server::handoff`).
             let start = &buf[..buf.len().min(H2_PREFACE.len())];
             if H2_PREFACE.starts_with(start) {
                 return if start.len() < H2_PREFACE.len() {
@@ -656,7 +656,7 @@ fn parse_other<'b>(
         Err(httparse::Error::TooManyHeaders) => return Err(Instead::Hyper),
         // hyper would answer these with a bare 400: the same parser, the
         // same settings. A client that sent the HTTP/2 preface never gets
-        // here (see `server::starts_as_http1`).
+        // here (`parse` hands it on first).
         Err(e) => return Err(Instead::Refuse(malformed(e))),
     };
     // HTTP/1.0 goes to hyper.

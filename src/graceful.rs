@@ -4,7 +4,7 @@
 //!
 //! hyper-util has the same (`server::graceful`), but it cannot watch hyper's
 //! HTTP/1 connection with upgrades, which `server` serves directly (see
-//! `server::starts_as_http1`).
+//! `server::handoff`).
 
 use std::future::Future;
 use std::pin::Pin;

@@ -4,7 +4,7 @@
 //! task, kept small for its life (see `plain`).
 
 use std::convert::Infallible;
-use std::future::{Future, poll_fn};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,8 +16,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use tokio::io::{AsyncWriteExt, ReadBuf};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::clock::Clock;
@@ -297,33 +296,40 @@ fn plain(
     async move {
         // A parked connection has served HTTP/1 already.
         let park = if resumed { Park::Resumed } else { Park::New };
-        let served = if resumed || starts_as_http1(&stream).await {
-            // Settled before hyper's part is awaited: a value held across
-            // that wait would be kept in every connection's task.
-            let rest = match front::serve(&mut stream, ended.conn(), park).await {
-                Ok(Served::Closed) => return,
-                Ok(Served::Idle) => return ended.park(stream),
-                Ok(Served::Handoff(rest)) => Ok(rest),
-                Err(e) => Err(e),
-            };
-            match rest {
-                Ok(rest) => {
-                    let conn = ended.conn().clone();
-                    let io = Coalesce(Rewind::new(stream, rest));
-                    let io = SendTimeout::new(io, conn.client.send_timeout());
-                    hyper.serve(io, Proto::Http1, conn).await
-                }
-                Err(e) => Err(e.into()),
-            }
-        } else {
-            let conn = ended.conn().clone();
-            let io = SendTimeout::new(Coalesce(stream), conn.client.send_timeout());
-            hyper.serve(io, Proto::Auto, conn).await
+        // The own server reads first, whatever the client speaks: an
+        // HTTP/2 client's preface is handed on with the rest (see `handoff`).
+        let rest = match front::serve(&mut stream, ended.conn(), park).await {
+            Ok(Served::Closed) => return,
+            Ok(Served::Idle) => return ended.park(stream),
+            Ok(Served::Handoff(rest)) => rest,
+            Err(e) => return log_error(&ended, e.into()),
         };
-        if let Err(e) = served {
-            let peer = ended.conn().client.peer();
-            tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+        let conn = ended.conn().clone();
+        let proto = handoff(&rest, Proto::Http1);
+        let io = Coalesce(Rewind::new(stream, rest));
+        let io = SendTimeout::new(io, conn.client.send_timeout());
+        if let Err(e) = hyper.serve(io, proto, conn).await {
+            log_error(&ended, e);
         }
+    }
+}
+
+/// Notes why a client connection ended with an error (at debug level: most
+/// are the client's doing).
+fn log_error(ended: &Ended, e: BoxError) {
+    let peer = ended.conn().client.peer();
+    tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+}
+
+/// Who serves a connection the own server hands on, its unused bytes
+/// `rest` in front: hyper's HTTP/2 server when they are the HTTP/2 preface
+/// (prior knowledge, RFC 9113 3.3), else hyper's server for `http1` (the
+/// own server hands on a complete request head, so an HTTP/1 one).
+fn handoff(rest: &[u8], http1: Proto) -> Proto {
+    if rest.starts_with(H2_PREFACE) {
+        Proto::Http2
+    } else {
+        http1
     }
 }
 
@@ -367,7 +373,7 @@ fn tls(
 /// What ALPN chose is spoken from the first byte: a client that chose h2 and
 /// sends no valid preface gets HTTP/2's GOAWAY, not an HTTP/1 400. Without
 /// ALPN, an HTTP/2 client's preface is handed on by the own server, to
-/// hyper's auto connection.
+/// hyper's HTTP/2 server (see [`handoff`]).
 fn serve_tls<'a>(
     stream: tokio_rustls::server::TlsStream<TcpStream>,
     conn: &'a Arc<Conn>,
@@ -378,18 +384,16 @@ fn serve_tls<'a>(
             let io = SendTimeout::new(stream, conn.client.send_timeout());
             hyper.serve(io, Proto::Http2, conn.clone())
         }
-        Some(b"http/1.1" | b"http/1.0") => Box::pin(tls_http1(stream, Proto::Http1, conn, hyper)),
-        _ => Box::pin(tls_http1(stream, Proto::Auto, conn, hyper)),
+        _ => Box::pin(tls_http1(stream, conn, hyper)),
     }
 }
 
-/// HTTP/1.1 over TLS by sluice's own server, handed to hyper's speaking
-/// `proto` at the first request it does not serve. (An `async` block: see
+/// HTTP/1.1 over TLS by sluice's own server, handed to hyper's at the first
+/// request it does not serve (see [`handoff`]). (An `async` block: see
 /// [`plain`].)
 #[allow(clippy::manual_async_fn)]
 fn tls_http1(
     mut stream: tokio_rustls::server::TlsStream<TcpStream>,
-    proto: Proto,
     conn: &Arc<Conn>,
     hyper: Hyper,
 ) -> impl Future<Output = Result<(), BoxError>> + Send + '_ {
@@ -406,6 +410,13 @@ fn tls_http1(
             }
             Ok(Served::Handoff(rest)) => rest,
             Err(e) => return Err(e.into()),
+        };
+        // Only a client that chose no protocol by ALPN may speak HTTP/2 here.
+        let http2_allowed = stream.get_ref().1.alpn_protocol().is_none();
+        let proto = if http2_allowed {
+            handoff(&rest, Proto::Http1)
+        } else {
+            Proto::Http1
         };
         let io = SendTimeout::new(Rewind::new(stream, rest), send_timeout);
         hyper.serve(io, proto, conn.clone()).await
@@ -469,41 +480,19 @@ async fn drain(body: &mut RequestBody) {
 const DRAIN_BYTES: usize = 64 * 1024;
 const DRAIN_TIME: Duration = Duration::from_secs(1);
 
-/// Whether a plain connection's first bytes, looked at without taking them,
-/// already differ from the HTTP/2 preface. Usually they do ("GET ...") and
-/// hyper serves the connection as HTTP/1 from its first read. Otherwise
-/// hyper-util's auto connection reads the first bytes to tell, then hands them
-/// to hyper, whose next read then doubles its 8 KB buffer, kept for the
-/// connection's life: about 8 KB more per connection, idle ones included.
-///
-/// `poll_peek`, not `peek`: its wait keeps no waiter in the connection's
-/// task.
-async fn starts_as_http1(stream: &TcpStream) -> bool {
-    let mut first = [0u8; H2_PREFACE.len()];
-    let peeked = poll_fn(|cx| stream.poll_peek(cx, &mut ReadBuf::new(&mut first))).await;
-    match peeked {
-        Ok(n) if n > 0 => first[..n] != H2_PREFACE[..n],
-        // Closed, or an error: the auto path ends it the usual way.
-        _ => false,
-    }
-}
-
 /// How a connection is served.
 #[derive(Clone, Copy)]
 enum Proto {
     Http1,
-    /// ALPN chose h2: HTTP/2 from the first byte.
+    /// HTTP/2 from the first byte: ALPN chose h2, or the client opened
+    /// with the preface (see [`handoff`]).
     Http2,
-    /// Not known yet: hyper-util's auto builder reads the first bytes.
-    Auto,
 }
 
-/// The connection builders: HTTP/1 alone, HTTP/2 alone, and hyper-util's
-/// auto for connections whose protocol is not known yet.
+/// The connection builders: HTTP/1 and HTTP/2.
 struct Protocols {
     http1: http1::Builder,
     http2: http2::Builder<TokioExecutor>,
-    auto: auto::Builder<TokioExecutor>,
 }
 
 impl Protocols {
@@ -524,16 +513,7 @@ impl Protocols {
             .timer(TokioTimer::new())
             .max_concurrent_streams(streams)
             .max_header_list_size(max as u32);
-        let mut auto = auto::Builder::new(TokioExecutor::new());
-        auto.http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(None::<Duration>)
-            .max_buf_size(max_buf);
-        auto.http2()
-            .timer(TokioTimer::new())
-            .max_concurrent_streams(streams)
-            .max_header_list_size(max as u32);
-        Protocols { http1, http2, auto }
+        Protocols { http1, http2 }
     }
 
     /// Serves one client connection until it ends, or until `signal` and its
@@ -575,13 +555,6 @@ impl Protocols {
                         .await
                         .map_err(BoxError::from)
                 })
-            }
-            Proto::Auto => {
-                // Its own copy of the builder, which it needs only until it
-                // has read which protocol the client speaks.
-                let conn = self.auto.serve_connection_with_upgrades(io, service);
-                let conn = Box::pin(conn.into_owned());
-                Box::pin(graceful::watch(conn, signal, |c| c.graceful_shutdown()))
             }
         }
     }

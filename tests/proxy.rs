@@ -219,6 +219,32 @@ async fn oversized_headers_are_431_with_problem_body() {
     assert_eq!(get(&sluice.url("/ping"), &[]).await.status, StatusCode::OK);
 }
 
+/// A client speaking HTTP/2 with prior knowledge whose preface comes in
+/// pieces is still served HTTP/2: the own server reads until it knows, then
+/// hands every byte on.
+#[tokio::test]
+async fn an_http2_preface_in_pieces_is_still_http2() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_up, sluice) = setup().await;
+    let mut s = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    // The preface, then an empty SETTINGS frame.
+    for piece in [
+        &b"PRI * HTTP/2.0\r\n"[..],
+        b"\r\nSM\r\n",
+        b"\r\n",
+        b"\0\0\0\x04\0\0\0\0\0",
+    ] {
+        s.write_all(piece).await.unwrap();
+        tokio::task::yield_now().await;
+    }
+    // The server's first frame: its SETTINGS (type 4, stream 0).
+    let mut frame = [0u8; 9];
+    let read = tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut frame)).await;
+    assert!(matches!(read, Ok(Ok(_))), "{read:?}");
+    assert_eq!((frame[3], &frame[5..9]), (4, &[0u8; 4][..]), "{frame:?}");
+}
+
 #[tokio::test]
 async fn malformed_requests_are_400_and_harmless() {
     let (up, sluice) = setup().await;
