@@ -1,13 +1,13 @@
 //! sluice's own HTTP/1.1 server, for client connections on plain TCP and
 //! over TLS (unless ALPN chose HTTP/2).
 //!
-//! It serves the usual request itself: HTTP/1.1, no body or a small one
-//! framed by its `Content-Length` (read whole first, see [`MAX_BODY`]), no
-//! upgrade, no `Expect`, no `TE`. A head that cannot be parsed gets sluice's
-//! own `400` (problem+json, `Connection: close`). At the first request it
-//! does not serve (a larger or chunked body, an upgrade, `CONNECT`,
-//! HTTP/1.0, more header lines than it has room for, a head larger than
-//! [`MAX_HEAD`]), it hands the connection
+//! It serves the usual request itself: HTTP/1.1 or HTTP/1.0, no body or a
+//! small one framed by its `Content-Length` (read whole first, see
+//! [`MAX_BODY`]), no upgrade, no `Expect`, no `TE`. A head that cannot be
+//! parsed gets sluice's own `400` (problem+json, `Connection: close`). At
+//! the first request it does not serve (a larger or chunked body, an
+//! upgrade, `CONNECT`, more header lines than it has room for, a head larger
+//! than [`MAX_HEAD`]), it hands the connection
 //! to hyper's server with every byte it has read and not used ([`Rewind`]),
 //! and hyper serves the rest of the connection. So everything unusual meets
 //! hyper's handling, as before, and the common `GET` skips hyper's
@@ -17,14 +17,18 @@
 //!
 //! What a client sees is what hyper's server does:
 //!
-//! - the status line is `HTTP/1.1` with the status's usual reason phrase;
+//! - the status line is `HTTP/1.1` with the status's usual reason phrase
+//!   (`HTTP/1.0` to an HTTP/1.0 client);
 //! - a `Date` header is added when the response has none;
 //! - the body is framed by its `Content-Length`, else by its known size,
 //!   else chunked (trailers are dropped: a client that wants them says
 //!   `TE: trailers`, and such a request goes to hyper);
 //! - `Connection: close` from the client gets `connection: close` back, and
 //!   the connection ends after the response (over TLS with close_notify);
-//!   so does one at shutdown;
+//!   so does one at shutdown, and an HTTP/1.0 client's unless it said
+//!   `Connection: keep-alive` (then answered `connection: keep-alive`, and
+//!   a body of unknown length, which HTTP/1.0 cannot chunk, ends with the
+//!   connection);
 //! - a client that closes its connection while its request is in flight
 //!   cancels the request (the upstream exchange is dropped, as with hyper);
 //! - a body that fails or is longer than its `Content-Length` ends the
@@ -293,7 +297,11 @@ async fn exchange<S: Stream>(
         let Some(req) = &mut slot else {
             return Ok(Next::Closed);
         };
-        let head_only = req.method() == Method::HEAD;
+        let mut asked = Asked {
+            head_only: req.method() == Method::HEAD,
+            keep: false,
+            http10: req.version() == Version::HTTP_10,
+        };
         // None: closed at shutdown before the request began.
         let Some(in_flight) = conn.begin() else {
             return Ok(Next::Closed);
@@ -335,7 +343,7 @@ async fn exchange<S: Stream>(
         let Some(Answer { resp, limits }) = &mut answer else {
             return Ok(Next::Closed);
         };
-        let keep = !close && !conn.stopping();
+        asked.keep = !close && !conn.stopping();
         // A client that takes no bytes for the timeout fails the write: the
         // connection ends, and the answer's upstream exchange with it. One
         // that closes while the body waits for the upstream ends it too:
@@ -347,8 +355,7 @@ async fn exchange<S: Stream>(
             out,
             resp,
             limits.as_ref(),
-            head_only,
-            keep,
+            asked,
             Some(&mut *buf),
         )
         .await?;
@@ -380,7 +387,7 @@ async fn answer_and_close<S: Stream>(
     send_timeout: Duration,
 ) -> io::Result<Next> {
     let mut sending = SendTimeout::new(&mut *stream, send_timeout);
-    write_response(&mut sending, out, &mut resp, None, false, false, None).await?;
+    write_response(&mut sending, out, &mut resp, None, Asked::default(), None).await?;
     sending.flush().await?;
     Ok(Next::Closed)
 }
@@ -507,9 +514,10 @@ pub fn spare_read_buffers() -> usize {
 
 /// What the front of the read buffer holds.
 enum Parsed {
-    /// A request served here, made in the caller's slot: whether its client
-    /// said `Connection: close`, and its body's length (its bytes follow
-    /// the head, see [`read_body`]).
+    /// A request served here, made in the caller's slot: whether the
+    /// connection closes after it (its client said `Connection: close`, or
+    /// is HTTP/1.0 and did not say `keep-alive`), and its body's length
+    /// (its bytes follow the head, see [`read_body`]).
     Request(bool, usize),
     /// Not a whole head yet.
     Partial,
@@ -533,8 +541,9 @@ fn parse(
     }
     // The usual plain head quickly, any other by httparse.
     let mut read = plain_head::ReadFields::new();
-    let (len, method, target) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read) {
-        Some(line) => (line.len, line.method, line.target),
+    let (len, method, target, http10) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read)
+    {
+        Some(line) => (line.len, line.method, line.target, false),
         None => {
             // The HTTP/2 preface (prior knowledge, or a TLS client that
             // chose no protocol): hyper's to serve (see `server::handoff`).
@@ -563,7 +572,7 @@ fn parse(
     // head, not copies.
     let start = buf.as_ptr() as usize;
     let target = (target.as_ptr() as usize - start, target.len());
-    let mut close = false;
+    let (mut close, mut keep_alive) = (false, false);
     let mut body = None;
     fields.clear();
     for &(name, value) in &read {
@@ -581,9 +590,11 @@ fn parse(
             6 if eq_lower(name, b"expect") => return Parsed::Other,
             2 if eq_lower(name, b"te") => return Parsed::Other,
             10 if eq_lower(name, b"connection") => {
-                close |= value
-                    .split(|&b| b == b',')
-                    .any(|t| eq_lower(t.trim_ascii(), b"close"));
+                for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                    close |= eq_lower(token, b"close");
+                    // As hyper reads it: a value of visible ASCII.
+                    keep_alive |= eq_lower(token, b"keep-alive") && visible(value);
+                }
             }
             _ => {}
         }
@@ -597,7 +608,14 @@ fn parse(
     // Its slices of `buf` are offsets now; `buf` is split next.
     drop(read);
     let head = buf.split_to(len).freeze();
-    match build(&head, target, method, slot) {
+    // HTTP/1.0 keeps its connection only when it asks to (RFC 9112 9.3).
+    let close = close || (http10 && !keep_alive);
+    let version = if http10 {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    match build(&head, target, method, version, slot) {
         Some(()) => {
             fields.set_head(head);
             Parsed::Request(close, body.unwrap_or(0))
@@ -611,6 +629,14 @@ fn parse(
             Parsed::Other
         }
     }
+}
+
+/// Whether a field value is visible ASCII, spaces and tabs (what
+/// `HeaderValue::to_str` takes).
+fn visible(value: &[u8]) -> bool {
+    value
+        .iter()
+        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))
 }
 
 /// Whether the first line of `buf` names an HTTP version (`HTTP/`), as an
@@ -640,13 +666,16 @@ enum Instead {
     Refuse(&'static str),
 }
 
+/// A request head's length, its method and target, and whether it is HTTP/1.0.
+type RequestLine<'b> = (usize, &'b [u8], &'b [u8], bool);
+
 /// httparse's reading of a request head that is not plain (see
-/// [`plain_head`]): its length, method and target, its fields added to
-/// `fields`; or what to do with it instead.
+/// [`plain_head`]): its length, method and target, whether it is HTTP/1.0,
+/// its fields added to `fields`; or what to do with it instead.
 fn parse_other<'b>(
     buf: &'b [u8],
     fields: &mut plain_head::ReadFields<'b>,
-) -> Result<(usize, &'b [u8], &'b [u8]), Instead> {
+) -> Result<RequestLine<'b>, Instead> {
     let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut []);
     let len = match parsed.parse_with_uninit_headers(buf, &mut slots) {
@@ -659,12 +688,12 @@ fn parse_other<'b>(
         // here (`parse` hands it on first).
         Err(e) => return Err(Instead::Refuse(malformed(e))),
     };
-    // HTTP/1.0 goes to hyper.
-    let (Some(1), Some(method), Some(target)) = (parsed.version, parsed.method, parsed.path) else {
+    let (Some(version), Some(method), Some(target)) = (parsed.version, parsed.method, parsed.path)
+    else {
         return Err(Instead::Hyper);
     };
     fields.extend(parsed.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
-    Ok((len, method.as_bytes(), target.as_bytes()))
+    Ok((len, method.as_bytes(), target.as_bytes(), version == 0))
 }
 
 /// What the client is told about a head httparse refused.
@@ -686,13 +715,14 @@ fn build(
     head: &Bytes,
     target: (usize, usize),
     method: Method,
+    version: Version,
     slot: &mut Option<Request<RequestBody>>,
 ) -> Option<()> {
     let uri = Uri::from_maybe_shared(head.slice(target.0..target.0 + target.1)).ok()?;
     let req = slot.insert(Request::new(RequestBody::Empty));
     *req.method_mut() = method;
     *req.uri_mut() = uri;
-    *req.version_mut() = Version::HTTP_11;
+    *req.version_mut() = version;
     Some(())
 }
 
@@ -723,9 +753,22 @@ enum Framing {
     Close,
 }
 
+/// How a request's answer goes out.
+#[derive(Clone, Copy, Default)]
+struct Asked {
+    /// `HEAD`: the head alone.
+    head_only: bool,
+    /// Neither the client nor shutdown asks to close after it.
+    keep: bool,
+    /// The client speaks HTTP/1.0: the answer says `HTTP/1.0` and is never
+    /// chunked (a body of unknown length ends with the connection), and a
+    /// connection kept says `connection: keep-alive`, as hyper answers.
+    http10: bool,
+}
+
 /// Writes `resp` (lent: moved, it was copied twice); `Ok(true)` when it
-/// went out whole and framed and neither side asked to close (`keep` false:
-/// the client did, or shutdown), so the connection can take another request.
+/// went out whole and framed and neither side asked to close (see
+/// [`Asked::keep`]), so the connection can take another request.
 /// `watch`: the connection's read buffer; the connection is watched while
 /// the body waits for more (see [`client_gone`]): a client that closes
 /// ends it.
@@ -734,8 +777,7 @@ async fn write_response<W: AsyncRead + AsyncWrite + Unpin>(
     out: &mut Vec<u8>,
     resp: &mut Response<Body>,
     limits: Option<&Limits>,
-    head_only: bool,
-    keep: bool,
+    asked: Asked,
     mut watch: Option<&mut BytesMut>,
 ) -> io::Result<bool> {
     let fields = match resp.body_mut() {
@@ -744,7 +786,11 @@ async fn write_response<W: AsyncRead + AsyncWrite + Unpin>(
     };
     let status = resp.status();
     out.clear();
-    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(if asked.http10 {
+        b"HTTP/1.0 "
+    } else {
+        b"HTTP/1.1 "
+    });
     out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
@@ -808,19 +854,22 @@ async fn write_response<W: AsyncRead + AsyncWrite + Unpin>(
             line(out, b"content-length", digits.format(n).as_bytes());
             Framing::Length(n)
         }
+        (None, None) if asked.http10 => Framing::Close,
         (None, None) => {
             line(out, b"transfer-encoding", b"chunked");
             Framing::Chunked
         }
     };
-    let framing = if head_only || bodiless {
+    let framing = if asked.head_only || bodiless {
         Framing::None
     } else {
         framing
     };
-    let keep = keep && !said_close && framing != Framing::Close;
+    let keep = asked.keep && !said_close && framing != Framing::Close;
     if !keep && !said_close {
         line(out, b"connection", b"close");
+    } else if keep && asked.http10 {
+        line(out, b"connection", b"keep-alive");
     }
     out.extend_from_slice(b"\r\n");
     if framing == Framing::None {

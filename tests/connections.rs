@@ -611,6 +611,89 @@ async fn a_client_that_sends_small_bodies_is_parked_when_idle() {
     answers(&mut large, 1, "20000").await;
 }
 
+/// An HTTP/1.0 client (ApacheBench is one) is served by sluice's own server
+/// as hyper's server answers it: in HTTP/1.0, its connection kept only when
+/// it asks (`Connection: keep-alive`, answered so, and parked once idle), a
+/// body of unknown length never chunked but ended with the connection.
+#[tokio::test]
+async fn an_http10_client_is_answered_in_http10_and_kept_only_when_it_asks() {
+    let up = Upstream::start().await;
+    let s = Sluice::start(&proxy_to(&up.url())).await;
+    let mut first = TcpStream::connect(s.addr).await.unwrap();
+    first
+        .write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    answer_ending(&mut first, "}").await;
+    let before = tasks();
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    // Its hop-by-hop fields stay here; no Host is needed.
+    c.write_all(b"GET /a HTTP/1.0\r\nConnection: keep-alive, x-secret\r\nx-secret: 1\r\n\r\n")
+        .await
+        .unwrap();
+    let got = answer_ending(&mut c, "}").await;
+    let (head, body) = got.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.0 200 OK\r\n"), "{got}");
+    assert!(head.contains("\r\nconnection: keep-alive"), "{got}");
+    assert!(
+        head.contains(&format!("content-length: {}", body.len())),
+        "{got}"
+    );
+    let echo: serde_json::Value = serde_json::from_str(body).unwrap();
+    for hop in ["connection", "keep-alive", "x-secret"] {
+        assert!(echo["headers"].get(hop).is_none(), "{hop}: {body}");
+    }
+    wait_until(|| tasks() == before).await;
+    // Parked, it is served again; a body of unknown length (here streamed
+    // by the upstream) ends with the connection.
+    c.write_all(b"GET /drip/0 HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
+        .await
+        .unwrap();
+    let got = answer_ending(&mut c, "").await;
+    assert!(got.starts_with("HTTP/1.0 200 OK\r\n"), "{got}");
+    assert!(
+        !got.to_ascii_lowercase().contains("transfer-encoding"),
+        "{got}"
+    );
+    assert!(
+        got.contains("\r\nconnection: close\r\n") && got.ends_with("\r\n\r\ndrip"),
+        "{got}"
+    );
+    // Without keep-alive: answered, then closed; a HEAD's head alone.
+    for (request, body) in [
+        (&b"GET /b HTTP/1.0\r\nhost: a\r\n\r\n"[..], true),
+        (b"HEAD /c HTTP/1.0\r\n\r\n", false),
+    ] {
+        let mut d = TcpStream::connect(s.addr).await.unwrap();
+        d.write_all(request).await.unwrap();
+        let got = answer_ending(&mut d, "").await;
+        assert!(got.starts_with("HTTP/1.0 200 OK\r\n"), "{got}");
+        assert!(got.contains("\r\nconnection: close\r\n"), "{got}");
+        assert_eq!(got.ends_with('}'), body, "{got}");
+    }
+}
+
+/// What the server sends until `c` has read a whole answer ending with
+/// `last` (empty: until the server closes).
+async fn answer_ending(c: &mut TcpStream, last: &str) -> String {
+    let mut got = String::new();
+    loop {
+        let mut chunk = [0u8; 4096];
+        let k = tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk))
+            .await
+            .expect("answers within 5 s")
+            .unwrap();
+        if k == 0 {
+            assert!(last.is_empty(), "closed after {got:?}");
+            return got;
+        }
+        got.push_str(&String::from_utf8_lossy(&chunk[..k]));
+        if !last.is_empty() && got.contains("\r\n\r\n") && got.ends_with(last) {
+            return got;
+        }
+    }
+}
+
 /// An HTTP/2 request answered by sluice itself (here a 404) while its body
 /// is still coming is read first: a body that breaks its `content-length`
 /// then gets the PROTOCOL_ERROR HTTP/2 requires (RFC 9113 8.1.1), rather

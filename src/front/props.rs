@@ -4,7 +4,7 @@
 //! `Method` and `Uri`), at every length they can be cut to.
 
 use bytes::BytesMut;
-use http::{Method, Uri};
+use http::{Method, Uri, Version};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -78,12 +78,30 @@ fn check_front(input: &[u8]) -> Result<(), TestCaseError> {
     let mut fields = HeadFields::default();
     let hyper = hyper_reads(input);
     match parse(&mut buf, &mut slot, &mut fields, super::MAX_BODY) {
-        Parsed::Request(_, body) => {
+        Parsed::Request(close, body) => {
             let Hyper::Complete(read) = hyper else {
                 return Err(TestCaseError::fail(format!("served; hyper: {hyper:?}")));
             };
             let req = slot.as_ref().expect("a request made");
-            prop_assert!(read.http11);
+            let version = if read.http11 {
+                Version::HTTP_11
+            } else {
+                Version::HTTP_10
+            };
+            prop_assert_eq!(req.version(), version);
+            // The connection is kept only when hyper keeps it, and exactly
+            // when it does for values hyper can read (visible ASCII).
+            let hyper_keeps = hyper_keeps_alive(&read);
+            prop_assert!(close || hyper_keeps, "kept; hyper closes");
+            let connection = |(n, _): &&(Vec<u8>, Vec<u8>)| n.eq_ignore_ascii_case(b"connection");
+            if read
+                .fields
+                .iter()
+                .filter(connection)
+                .all(|(_, v)| super::visible(v))
+            {
+                prop_assert_eq!(close, !hyper_keeps);
+            }
             prop_assert_eq!(req.method(), &Method::from_bytes(&read.method).unwrap());
             prop_assert_ne!(req.method(), &Method::CONNECT);
             let uri = Uri::try_from(&read.target[..]).expect("hyper's Uri too");
@@ -128,6 +146,32 @@ fn check_front(input: &[u8]) -> Result<(), TestCaseError> {
         Parsed::Other => prop_assert_eq!(&buf[..], input),
     }
     Ok(())
+}
+
+/// Whether hyper's server keeps the connection after this request (hyper's
+/// `role.rs`): HTTP/1.1 unless a `Connection` line says `close`, HTTP/1.0
+/// only when one says `keep-alive` and none `close`; a value that is not
+/// visible ASCII says nothing.
+fn hyper_keeps_alive(read: &Reading) -> bool {
+    let has = |value: &[u8], token: &str| {
+        std::str::from_utf8(value).is_ok_and(|v| {
+            super::visible(value) && v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token))
+        })
+    };
+    let lines = read
+        .fields
+        .iter()
+        .filter(|(n, _)| n.eq_ignore_ascii_case(b"connection"));
+    let (mut keep, mut closed) = (read.http11, false);
+    for (_, value) in lines {
+        if closed || has(value, "close") {
+            closed = true;
+            keep = false;
+        } else if !keep {
+            keep = has(value, "keep-alive");
+        }
+    }
+    keep
 }
 
 /// A `Content-Length` value as hyper's server reads it (`from_digits`).
@@ -197,7 +241,8 @@ fn check_body(input: &[u8]) -> Result<(), TestCaseError> {
     let mut buf = BytesMut::from(input);
     let mut slot = None;
     let mut fields = HeadFields::default();
-    let Parsed::Request(_, len) = parse(&mut buf, &mut slot, &mut fields, super::MAX_BODY) else {
+    let Parsed::Request(close, len) = parse(&mut buf, &mut slot, &mut fields, super::MAX_BODY)
+    else {
         // Hyper's to serve, or refused as hyper refuses (`check_front`).
         return Ok(());
     };
@@ -209,6 +254,11 @@ fn check_body(input: &[u8]) -> Result<(), TestCaseError> {
     let hyper = hyper_serves(input);
     prop_assert!(!hyper.is_empty(), "served here, refused by hyper");
     prop_assert_eq!(&hyper[0].1[..], &body[..]);
+    if close {
+        // Neither reads on.
+        prop_assert_eq!(hyper.len(), 1);
+        return Ok(());
+    }
     let mut next = None;
     match parse(&mut buf, &mut next, &mut fields, super::MAX_BODY) {
         Parsed::Request(_, 0) => {
@@ -324,7 +374,7 @@ fn value() -> impl Strategy<Value = Vec<u8>> {
         1 => words(&["\r\n ", "\r\n\t", "\rx", "\nx", "\r\n"]),
     ];
     prop_oneof![
-        3 => words(&["0", "5", "0, 0", "00", "chunked", "close", "keep-alive, Close", "websocket", "100-continue", "a", ""]),
+        3 => words(&["0", "5", "0, 0", "00", "chunked", "close", "keep-alive, Close", "keep-alive", "Keep-Alive", "websocket", "100-continue", "a", ""]),
         6 => plain_value(),
         2 => vec(piece, 0..30).prop_map(|p| p.concat()),
     ]
@@ -384,18 +434,35 @@ fn usual_request() -> impl Strategy<Value = Vec<u8>> {
         vec(token_byte(), 1..10),
     ];
     let target = vec(0x21u8..=0x7e, 0..40).prop_map(|rest| [&b"/"[..], &rest].concat());
-    (method, target, vec(field, 0..12), vec(any::<u8>(), 0..8)).prop_map(|(m, t, fields, extra)| {
-        [
-            m,
-            b" ".to_vec(),
-            t,
-            b" HTTP/1.1\r\n".to_vec(),
-            fields.concat(),
-            b"\r\n".to_vec(),
-            extra,
-        ]
-        .concat()
-    })
+    let version = prop_oneof![4 => Just(" HTTP/1.1\r\n"), 1 => Just(" HTTP/1.0\r\n")];
+    let connection = words(&[
+        "",
+        "",
+        "Connection: keep-alive\r\n",
+        "Connection: close\r\n",
+        "connection: Keep-Alive, x\r\n",
+    ]);
+    (
+        method,
+        target,
+        version,
+        connection,
+        vec(field, 0..12),
+        vec(any::<u8>(), 0..8),
+    )
+        .prop_map(|(m, t, v, connection, fields, extra)| {
+            [
+                m,
+                b" ".to_vec(),
+                t,
+                v.as_bytes().to_vec(),
+                connection,
+                fields.concat(),
+                b"\r\n".to_vec(),
+                extra,
+            ]
+            .concat()
+        })
 }
 
 /// A usual head with a body and what a client sends with it: its length
@@ -430,31 +497,41 @@ fn bodied_request() -> impl Strategy<Value = Vec<u8>> {
         "00000000000000000000000{n}",
     ]);
     let method = words(&["POST", "PUT", "GET", "PATCH"]);
-    (method, spelling, body, any::<bool>()).prop_map(|(method, spelling, body, late)| {
-        let n = body.len();
-        let length = spelling
-            .replace("{n}", &n.to_string())
-            .replace("{m}", &(n + 1).to_string())
-            .replace("{l}", &n.saturating_sub(1).to_string());
-        let (before, after) = if late {
-            ("", "x-late: 1\r\n")
-        } else {
-            ("x-early: 1\r\n", "")
-        };
-        [
-            &method[..],
-            b" /up HTTP/1.1\r\nhost: a\r\n",
-            before.as_bytes(),
-            b"content-length: ",
-            length.as_bytes(),
-            b"\r\n",
-            after.as_bytes(),
-            b"\r\n",
-            &body,
-            b"GET /next HTTP/1.1\r\nhost: a\r\n\r\n",
-        ]
-        .concat()
-    })
+    let version = select(vec![
+        " HTTP/1.1\r\n",
+        " HTTP/1.1\r\n",
+        " HTTP/1.0\r\nconnection: keep-alive\r\n",
+        " HTTP/1.0\r\n",
+    ]);
+    (method, version, spelling, body, any::<bool>()).prop_map(
+        |(method, version, spelling, body, late)| {
+            let n = body.len();
+            let length = spelling
+                .replace("{n}", &n.to_string())
+                .replace("{m}", &(n + 1).to_string())
+                .replace("{l}", &n.saturating_sub(1).to_string());
+            let (before, after) = if late {
+                ("", "x-late: 1\r\n")
+            } else {
+                ("x-early: 1\r\n", "")
+            };
+            [
+                &method[..],
+                b" /up",
+                version.as_bytes(),
+                b"host: a\r\n",
+                before.as_bytes(),
+                b"content-length: ",
+                length.as_bytes(),
+                b"\r\n",
+                after.as_bytes(),
+                b"\r\n",
+                &body,
+                b"GET /next HTTP/1.1\r\nhost: a\r\n\r\n",
+            ]
+            .concat()
+        },
+    )
 }
 
 proptest! {
