@@ -76,8 +76,9 @@ itself as much as the proxy, and the table says so.
 Then two runs of sluice with Redis: many distinct client identities (random
 X-Forwarded-For from a trusted peer), and most requests rejected (deny cache
 warm); nginx, haproxy and sluice (no policy) with requests that carry eight
-more fields, as browsers and API clients send (wrk sends only Host), and
-with `POST`s of a small JSON body; and the
+more fields, as browsers and API clients send (wrk sends only Host), with
+`POST`s of a small JSON body, and driven by ApacheBench (HTTP/1.0: `ab -k
+-c50`, and `ab -c50`, a new connection per request); and the
 memory per idle keep-alive connection: fresh nginx, haproxy and sluice
 processes each take 10,000 client connections (`--idle`) that make one
 request and stay open, idle; the growth of the proxy process's resident
@@ -628,6 +629,33 @@ def run_wrk(url, conns, duration, proxy_pids, redis_pid, redis_port, script=None
     return measure(args + [url], parse_wrk, proxy_pids, redis_pid, redis_port, status_port)
 
 
+def parse_ab(out):
+    """ApacheBench's figures (its percentiles are whole milliseconds)."""
+    done = re.search(r"Complete requests:\s+(\d+)", out)
+    taken = re.search(r"Time taken for tests:\s+([\d.]+) seconds", out)
+    rps = re.search(r"Requests per second:\s+([\d.]+)", out)
+    if not done or not taken or not rps or int(done.group(1)) == 0:
+        raise RuntimeError(f"ab finished no request:\n{out}")
+    failed = re.search(r"Failed requests:\s+(\d+)", out)
+    non2xx = re.search(r"Non-2xx responses:\s+(\d+)", out)
+    p50 = re.search(r"^\s+50%\s+(\d+)", out, re.M)
+    p99 = re.search(r"^\s+99%\s+(\d+)", out, re.M)
+    return {"requests": int(done.group(1)), "seconds": float(taken.group(1)), "rps": float(rps.group(1)),
+            "p50": float(p50.group(1)) if p50 else None, "p99": float(p99.group(1)) if p99 else None,
+            "non2xx": int(non2xx.group(1)) if non2xx else 0,
+            "errors": f"{failed.group(1)} failed" if failed and int(failed.group(1)) else ""}
+
+
+def run_ab(url, conns, duration, proxy_pids, keepalive):
+    """One ApacheBench run (HTTP/1.0, `conns` requests at once, for `duration`
+    seconds), with keep-alive (`-k`) or a new connection per request (ab's
+    default), measured."""
+    # ab keeps a record per request, sized by -n up front: room for 250k a
+    # second, more than any proxy here serves.
+    args = ["ab", "-q", "-c", str(conns), "-t", str(duration), "-n", str(250_000 * duration)]
+    return measure(args + (["-k"] if keepalive else []) + [url], parse_ab, proxy_pids)
+
+
 def run_h2load(url, conns, duration, proxy_pids, status_port, log):
     """One h2load run (one thread, `conns` connections of 10 streams each,
     h2c with prior knowledge for http://, ALPN h2 for https://), measured."""
@@ -852,6 +880,7 @@ def main():
 
     need("wrk", "wrk")
     need("h2load", "nghttp2-client")
+    need("ab", "apache2-utils")
     need("nginx", "nginx-light", "nginx")
     need("haproxy", "haproxy")
     need("redis-server", "redis-server")
@@ -1061,17 +1090,29 @@ upstream = "api"
         # above carry over.
         trio = PEERS + ["sluice"]
 
-        def trio_runs(script):
-            """Runs of the peers and sluice with `script`, back to back, each
+        def trio_runs(one):
+            """Runs (`one(setup)`) of the peers and sluice, back to back, each
             time starting one later."""
             runs = {s: [] for s in trio}
             for i in range(max(2, args.rounds // 2)):
                 for s in trio[i % 3:] + trio[:i % 3]:
-                    runs[s].append(run(s, C50, args.duration, script=script))
+                    runs[s].append(one(s))
             return runs
 
-        fielded = trio_runs(fields_lua(tmp))
-        posted = trio_runs(post_lua(tmp))
+        def wrk_with(script):
+            return lambda s: run(s, C50, args.duration, script=script)
+
+        fielded = trio_runs(wrk_with(fields_lua(tmp)))
+        posted = trio_runs(wrk_with(post_lua(tmp)))
+
+        # ApacheBench, which speaks HTTP/1.0: with keep-alive, and with a new
+        # connection per request (its default, as many clients do).
+        def ab(keepalive):
+            return lambda s: run_ab(C50.url(ends[s]["http"][0]), C50.conns, args.duration,
+                                    ends[s]["http"][1], keepalive)
+
+        ab_kept = trio_runs(ab(True))
+        ab_new = trio_runs(ab(False))
 
         # Memory per idle keep-alive connection, on fresh processes (a
         # process that served the runs above holds memory its allocator
@@ -1262,10 +1303,10 @@ upstream = "api"
                 f"CPU {r['cpu_us']:.1f} us per request = {r['cpu_vs_none']:.2f}x no policy, req/s "
                 f"{r['rps_vs_none']:.2f}x no policy, Redis {r['redis_us']:.1f} us and {r['redis_calls']:.2f} "
                 f"calls per request"))
-        def trio_line(what, runs):
+        def trio_line(what, runs, label=C50.label):
             peer = min(PEERS, key=lambda p: med(runs[p], "cpu_us"))
             x = paired(runs["sluice"], runs[peer], "cpu_us")
-            return (f"{C50.label} {what}, the median of {len(runs['sluice'])} runs each: CPU us per request "
+            return (f"{label} {what}, the median of {len(runs['sluice'])} runs each: CPU us per request "
                     + ", ".join(f"{s} {med(runs[s], 'cpu_us'):.1f}" for s in trio)
                     + f" (sluice {x:.2f}x {peer}'s); req/s "
                     + ", ".join(f"{s} {med(runs[s], 'rps'):.0f}" for s in trio) + "; p99 "
@@ -1273,6 +1314,8 @@ upstream = "api"
 
         lines.append(trio_line("requests with eight more fields (as browsers and API clients send)", fielded))
         lines.append(trio_line("POST with a 78-byte JSON body", posted))
+        lines.append(trio_line("with keep-alive (ab -k -c50)", ab_kept, label="ApacheBench, HTTP/1.0,"))
+        lines.append(trio_line("a new connection per request (ab -c50)", ab_new, label="ApacheBench, HTTP/1.0,"))
         lines.append(f"memory per idle keep-alive connection (connections that made one request each, fresh "
                      f"processes, RSS growth read 1 s after the last answer): "
                      + ", ".join(f"{name} {v['kb']:.2f} KB ({v['before_kb']} -> {v['after_kb']} KB, "

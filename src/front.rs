@@ -543,7 +543,7 @@ fn parse(
     let mut read = plain_head::ReadFields::new();
     let (len, method, target, http10) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read)
     {
-        Some(line) => (line.len, line.method, line.target, false),
+        Some(line) => (line.len, line.method, line.target, line.http10),
         None => {
             // The HTTP/2 preface (prior knowledge, or a TLS client that
             // chose no protocol): hyper's to serve (see `server::handoff`).

@@ -62,7 +62,7 @@ fn check_quick(buf: &[u8]) -> Result<(), TestCaseError> {
         len: line.len,
         method: line.method.to_vec(),
         target: line.target.to_vec(),
-        http11: true,
+        http11: !line.http10,
         fields: read.iter().map(|(n, v)| (n.to_vec(), v.to_vec())).collect(),
     };
     prop_assert_eq!(Hyper::Complete(quick), hyper_reads(buf));
