@@ -17,13 +17,16 @@ throwaway certificate for 127.0.0.1, then starts:
   nginx         nginx, 1 worker, reverse proxy as its operators configure
                 it: an upstream keep-alive pool of 1024 (at least the
                 client concurrency), keepalive_requests 1000000 on both
-                sides, multi_accept, reuseport; with an h2c listener and a
+                sides, multi_accept, reuseport, `deferred` (a connection
+                handed over once its client has sent, as sluice's
+                listener is); with an h2c listener and a
                 TLS listener (HTTP/2 by ALPN) beside its HTTP/1.1 one, as
                 its manual says (`listen ... http2` before 1.25.1,
                 `http2 on` after)
   nginx-limit   the same with `limit_req` (local memory, never rejecting)
-  haproxy       haproxy, 1 process, 1 thread, `http-reuse always`; with
-                an h2c bind (`proto h2`) and a TLS bind (`alpn h2,http/1.1`)
+  haproxy       haproxy, 1 process, 1 thread, `http-reuse always`,
+                `defer-accept` on every bind; with an h2c bind (`proto h2`)
+                and a TLS bind (`alpn h2,http/1.1`)
   haproxy-limit the same with a stick-table counting each client address's
                 request rate and a deny rule it never reaches
   sluice        sluice, 1 worker, no policy (the PGO build, as every sluice
@@ -368,12 +371,14 @@ def proxy_nginx_conf(dir_, port, up, limit=False, h2c=None, tls=None, connection
                 f'proxy_set_header Connection ""; }}')
     new_h2 = nginx_version() >= (1, 25, 1)
     listen_h2, h2_on = ("", "http2 on; ") if new_h2 else (" http2", "")
-    servers = f"server {{ listen 127.0.0.1:{port} reuseport; {location} }}"
+    # `deferred`: a connection is handed over once its client has sent, as
+    # sluice's listener does.
+    servers = f"server {{ listen 127.0.0.1:{port} reuseport deferred; {location} }}"
     if h2c:
-        servers += f" server {{ listen 127.0.0.1:{h2c} reuseport{listen_h2}; {h2_on}{location} }}"
+        servers += f" server {{ listen 127.0.0.1:{h2c} reuseport deferred{listen_h2}; {h2_on}{location} }}"
     if tls:
         tls_port, cert, key = tls
-        servers += (f" server {{ listen 127.0.0.1:{tls_port} reuseport ssl{listen_h2}; {h2_on}"
+        servers += (f" server {{ listen 127.0.0.1:{tls_port} reuseport deferred ssl{listen_h2}; {h2_on}"
                     f"ssl_certificate {cert}; ssl_certificate_key {key}; {location} }}")
     return nginx_conf(dir_, port,
                       f"upstream api {{ server 127.0.0.1:{up}; keepalive {MAX_CONNS}; "
@@ -398,9 +403,10 @@ def haproxy_conf(dir_, port, up, limit=False, h2c=None, tls=None, maxconn=8000):
                    if limit else "")
     more = ""
     if h2c:
-        more += f"\nfrontend fe_h2c\n  bind 127.0.0.1:{h2c} proto h2\n  default_backend api\n"
+        more += f"\nfrontend fe_h2c\n  bind 127.0.0.1:{h2c} proto h2 defer-accept\n  default_backend api\n"
     if tls:
-        more += f"\nfrontend fe_tls\n  bind 127.0.0.1:{tls[0]} ssl crt {tls[1]} alpn h2,http/1.1\n  default_backend api\n"
+        more += (f"\nfrontend fe_tls\n  bind 127.0.0.1:{tls[0]} ssl crt {tls[1]} alpn h2,http/1.1 defer-accept\n"
+                 "  default_backend api\n")
     with open(conf, "w") as f:
         f.write(f"""global
   nbthread 1
@@ -417,7 +423,7 @@ defaults
   timeout http-request 10s
 
 frontend fe
-  bind 127.0.0.1:{port}
+  bind 127.0.0.1:{port} defer-accept
 {limit_rules}  default_backend api
 {more}
 backend api

@@ -109,7 +109,10 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     .context("cannot start the runtime")?;
     runtime.block_on(async {
         let addr = config.server.listen;
-        let listener = sluice::server::listen(addr, config.server.listen_backlog)
+        // A client that connects and sends nothing is handed over (and its
+        // header_timeout begun) after header_timeout at most.
+        let (backlog, defer) = (config.server.listen_backlog, config.server.header_timeout);
+        let listener = sluice::server::listen(addr, backlog, defer)
             .with_context(|| format!("cannot listen on {addr}"))?;
         let admin = config.server.admin_listen;
         let server = sluice::Server::new(listener, config)?;

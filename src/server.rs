@@ -598,15 +598,49 @@ impl AcceptErrors {
 /// A listener on `addr` with a listen backlog of `backlog` connections
 /// (`server.listen_backlog`; the kernel caps it at `net.core.somaxconn`).
 /// tokio's own `bind` asks for 128, which a burst of connections overflows.
-pub fn listen(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+///
+/// On Linux the kernel hands a connection over once its client has sent
+/// something, or after `defer` (`TCP_DEFER_ACCEPT`, nginx's `listen ...
+/// deferred`): in every protocol sluice speaks the client speaks first, so
+/// a new connection's first read finds its request (tokio reads an accepted
+/// socket at once, and got `EAGAIN` from a client that connects, then
+/// sends), and one that sends nothing takes no task meanwhile.
+pub fn listen(
+    addr: std::net::SocketAddr,
+    backlog: u32,
+    defer: Duration,
+) -> std::io::Result<TcpListener> {
     use socket2::{Domain, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     socket.set_reuse_address(true)?;
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
+    defer_accept(&socket, defer);
     socket.listen(backlog.min(i32::MAX as u32) as i32)?;
     TcpListener::from_std(socket.into())
 }
+
+/// See [`listen`]. Best effort: a kernel that refuses it hands connections
+/// over at once, as before.
+#[cfg(target_os = "linux")]
+fn defer_accept(socket: &socket2::Socket, defer: Duration) {
+    use std::os::fd::AsRawFd;
+    let secs = libc::c_int::try_from(defer.as_secs().max(1)).unwrap_or(libc::c_int::MAX);
+    // SAFETY: `socket` is an open socket, and the option's value is the
+    // c_int whose size is passed.
+    let _ = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&secs as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+#[cfg(not(target_os = "linux"))]
+fn defer_accept(_socket: &socket2::Socket, _defer: Duration) {}
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -664,6 +698,26 @@ mod tests {
     /// The size of what `serve` returns, by its type alone.
     fn future_size<F: Future>(_serve: fn(TcpStream, Hyper, Ended, bool) -> F) -> usize {
         std::mem::size_of::<F>()
+    }
+
+    /// A connection is handed over once its client has sent (Linux): one
+    /// that connected first and sends nothing is not the first accepted.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_connection_is_accepted_once_its_client_sends() {
+        use tokio::io::AsyncReadExt;
+        let addr = "127.0.0.1:0".parse().unwrap();
+        let listener = listen(addr, 16, Duration::from_secs(30)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let silent = TcpStream::connect(addr).await.unwrap();
+        let mut talking = TcpStream::connect(addr).await.unwrap();
+        talking.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        let (mut accepted, peer) = listener.accept().await.unwrap();
+        assert_eq!(peer, talking.local_addr().unwrap());
+        let mut first = [0u8; 3];
+        accepted.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"GET");
+        drop(silent);
     }
 
     /// A plain connection's task holds this future while its client is
