@@ -305,7 +305,7 @@ fn plain(
             Err(e) => return log_error(&ended, e.into()),
         };
         let conn = ended.conn().clone();
-        let proto = handoff(&rest, Proto::Http1);
+        let proto = handoff(&rest);
         let io = Coalesce(Rewind::new(stream, rest));
         let io = SendTimeout::new(io, conn.client.send_timeout());
         if let Err(e) = hyper.serve(io, proto, conn).await {
@@ -323,13 +323,13 @@ fn log_error(ended: &Ended, e: BoxError) {
 
 /// Who serves a connection the own server hands on, its unused bytes
 /// `rest` in front: hyper's HTTP/2 server when they are the HTTP/2 preface
-/// (prior knowledge, RFC 9113 3.3), else hyper's server for `http1` (the
-/// own server hands on a complete request head, so an HTTP/1 one).
-fn handoff(rest: &[u8], http1: Proto) -> Proto {
+/// (prior knowledge, RFC 9113 3.3), else hyper's HTTP/1 server (the own
+/// server hands on a whole request head).
+fn handoff(rest: &[u8]) -> Proto {
     if rest.starts_with(H2_PREFACE) {
         Proto::Http2
     } else {
-        http1
+        Proto::Http1
     }
 }
 
@@ -412,11 +412,9 @@ fn tls_http1(
             Err(e) => return Err(e.into()),
         };
         // Only a client that chose no protocol by ALPN may speak HTTP/2 here.
-        let http2_allowed = stream.get_ref().1.alpn_protocol().is_none();
-        let proto = if http2_allowed {
-            handoff(&rest, Proto::Http1)
-        } else {
-            Proto::Http1
+        let proto = match stream.get_ref().1.alpn_protocol() {
+            None => handoff(&rest),
+            Some(_) => Proto::Http1,
         };
         let io = SendTimeout::new(Rewind::new(stream, rest), send_timeout);
         hyper.serve(io, proto, conn.clone()).await
