@@ -110,7 +110,7 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     runtime.block_on(async {
         let addr = config.server.listen;
         // A client that connects and sends nothing is handed over (and its
-        // header_timeout begun) after header_timeout at most.
+        // header_timeout begun) after about header_timeout.
         let (backlog, defer) = (config.server.listen_backlog, config.server.header_timeout);
         let listener = sluice::server::listen(addr, backlog, defer)
             .with_context(|| format!("cannot listen on {addr}"))?;

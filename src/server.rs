@@ -598,7 +598,7 @@ impl AcceptErrors {
 /// tokio's own `bind` asks for 128, which a burst of connections overflows.
 ///
 /// On Linux the kernel hands a connection over once its client has sent
-/// something, or after `defer` (`TCP_DEFER_ACCEPT`, nginx's `listen ...
+/// something, or after about `defer` (`TCP_DEFER_ACCEPT`, nginx's `listen ...
 /// deferred`): in every protocol sluice speaks the client speaks first, so
 /// a new connection's first read finds its request (tokio reads an accepted
 /// socket at once, and got `EAGAIN` from a client that connects, then
