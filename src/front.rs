@@ -541,9 +541,8 @@ fn parse(
     }
     // The usual plain head quickly, any other by httparse.
     let mut read = plain_head::ReadFields::new();
-    let (len, method, target, http10) = match plain_head::parse_request(buf, MAX_HEADERS, &mut read)
-    {
-        Some(line) => (line.len, line.method, line.target, line.http10),
+    let line = match plain_head::parse_request(buf, MAX_HEADERS, &mut read) {
+        Some(line) => line,
         None => {
             // The HTTP/2 preface (prior knowledge, or a TLS client that
             // chose no protocol): hyper's to serve (see `server::handoff`).
@@ -564,6 +563,12 @@ fn parse(
             }
         }
     };
+    let plain_head::RequestLine {
+        len,
+        method,
+        target,
+        http10,
+    } = line;
     let method = match Method::from_bytes(method) {
         Ok(m) if m != Method::CONNECT => m,
         _ => return Parsed::Other,
@@ -593,7 +598,8 @@ fn parse(
                 for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
                     close |= eq_lower(token, b"close");
                     // As hyper reads it: a value of visible ASCII.
-                    keep_alive |= eq_lower(token, b"keep-alive") && visible(value);
+                    keep_alive |=
+                        eq_lower(token, b"keep-alive") && crate::fields::text(value).is_some();
                 }
             }
             _ => {}
@@ -631,14 +637,6 @@ fn parse(
     }
 }
 
-/// Whether a field value is visible ASCII, spaces and tabs (what
-/// `HeaderValue::to_str` takes).
-fn visible(value: &[u8]) -> bool {
-    value
-        .iter()
-        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))
-}
-
 /// Whether the first line of `buf` names an HTTP version (`HTTP/`), as an
 /// HTTP/1 request line does, right or wrong.
 fn names_http(buf: &[u8]) -> bool {
@@ -666,16 +664,13 @@ enum Instead {
     Refuse(&'static str),
 }
 
-/// A request head's length, its method and target, and whether it is HTTP/1.0.
-type RequestLine<'b> = (usize, &'b [u8], &'b [u8], bool);
-
 /// httparse's reading of a request head that is not plain (see
-/// [`plain_head`]): its length, method and target, whether it is HTTP/1.0,
-/// its fields added to `fields`; or what to do with it instead.
+/// [`plain_head`]): its request line, its fields added to `fields`; or what
+/// to do with it instead.
 fn parse_other<'b>(
     buf: &'b [u8],
     fields: &mut plain_head::ReadFields<'b>,
-) -> Result<RequestLine<'b>, Instead> {
+) -> Result<plain_head::RequestLine<'b>, Instead> {
     let mut slots = [const { MaybeUninit::<httparse::Header>::uninit() }; MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut []);
     let len = match parsed.parse_with_uninit_headers(buf, &mut slots) {
@@ -693,7 +688,12 @@ fn parse_other<'b>(
         return Err(Instead::Hyper);
     };
     fields.extend(parsed.headers.iter().map(|h| (h.name.as_bytes(), h.value)));
-    Ok((len, method.as_bytes(), target.as_bytes(), version == 0))
+    Ok(plain_head::RequestLine {
+        len,
+        method: method.as_bytes(),
+        target: target.as_bytes(),
+        http10: version == 0,
+    })
 }
 
 /// What the client is told about a head httparse refused.

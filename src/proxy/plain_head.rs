@@ -69,10 +69,11 @@ pub struct RequestLine<'b> {
     pub http10: bool,
 }
 
-/// The HTTP/1.1 (or HTTP/1.0) request head at the front of `buf` if it is whole and plain
-/// (as an answer's, see the module's doc; its method a token, its target
-/// visible ASCII), with at most `max_fields` fields, which are added to
-/// `fields`; otherwise `None`, and `fields` may hold some of them.
+/// The HTTP/1.1 (or HTTP/1.0) request head at the front of `buf` if it is
+/// whole and plain (as an answer's, see the module's doc; its method a
+/// token, its target visible ASCII), with at most `max_fields` fields, which
+/// are added to `fields`; otherwise `None`, and `fields` may hold some of
+/// them.
 pub fn parse_request<'b>(
     buf: &'b [u8],
     max_fields: usize,
