@@ -1,0 +1,149 @@
+//! What a keep-alive request costs sluice's thread in heap allocations,
+//! counted by this binary's allocator. sluice, its upstream and the client
+//! each run on a thread of their own, so that only sluice's are counted.
+//!
+//! An allocation a request is a cost, and a large one more so: the
+//! allocator hands such blocks out across all the memory of their size it
+//! ever held, so that a process that once served many connections is
+//! slower at fewer (see docs/performance.md).
+
+mod support;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use support::*;
+use tokio::io::AsyncWriteExt;
+
+struct Counting;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: every call is passed to the system allocator as it came; the
+// counter is a const-initialised thread-local without a destructor, so
+// counting never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// A runtime on a thread of its own, running `start`'s future and keeping
+/// what it made; its handle runs tasks on that thread.
+fn on_own_thread<T, F>(start: impl FnOnce() -> F + Send + 'static) -> (tokio::runtime::Handle, T)
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = (T, Box<dyn std::any::Any>)>,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (out, keep) = start().await;
+            tx.send((tokio::runtime::Handle::current(), out)).unwrap();
+            std::future::pending::<()>().await;
+            drop(keep);
+        });
+    });
+    rx.recv().unwrap()
+}
+
+/// An upstream as nginx answers: every request read gets the same short
+/// answer, on keep-alive connections.
+async fn nginx_like() -> String {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while let Ok(n @ 1..) = conn.read(&mut chunk).await {
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\nServer: nginx\r\n\
+                            Date: Thu, 26 Nov 2026 04:00:00 GMT\r\n\
+                            Content-Type: text/plain\r\nContent-Length: 2\r\n\
+                            Connection: keep-alive\r\n\r\nok";
+                        if conn.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+/// sluice's own server and client serve a keep-alive request with three
+/// allocations of sluice's thread: the box of the exchange (the work of
+/// the requests the client sent at once, see `front::serve`), the upstream
+/// answer's fields and its body's state. The buffers are the thread's
+/// spares, the upstream connection the pool's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_keep_alive_request_costs_three_allocations() {
+    use tokio::io::AsyncReadExt;
+    let (_, upstream) =
+        on_own_thread(|| async { (nginx_like().await, Box::new(()) as Box<dyn std::any::Any>) });
+    let (server, addr) = on_own_thread(move || async move {
+        let sluice = Sluice::start(&proxy_to(&upstream)).await;
+        (sluice.addr, Box::new(sluice) as Box<dyn std::any::Any>)
+    });
+    let counted = || {
+        let server = server.clone();
+        async move {
+            server
+                .spawn(async { ALLOCATIONS.with(Cell::get) })
+                .await
+                .unwrap()
+        }
+    };
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut exchange = async |n: u64| {
+        for _ in 0..n {
+            conn.write_all(b"GET /items?page=2 HTTP/1.1\r\nHost: api.example\r\nUser-Agent: test\r\nAccept: */*\r\n\r\n")
+                .await
+                .unwrap();
+            let mut got = Vec::new();
+            while !got.ends_with(b"\r\n\r\nok") {
+                let mut chunk = [0u8; 4096];
+                let n = conn.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
+                got.extend_from_slice(&chunk[..n]);
+            }
+            assert!(got.starts_with(b"HTTP/1.1 200 OK\r\n"));
+        }
+    };
+    // The first requests make the connection's buffers, its upstream
+    // connection and the caches.
+    exchange(100).await;
+    let before = counted().await;
+    exchange(1000).await;
+    let made = counted().await - before;
+    // A little room for the runtime's own (a timer wheel's level, a queue).
+    assert!(
+        made <= 3 * 1000 + 20,
+        "{made} allocations for 1000 requests"
+    );
+}
