@@ -2,10 +2,9 @@
 //! counted by this binary's allocator. sluice, its upstream and the client
 //! each run on a thread of their own, so that only sluice's are counted.
 //!
-//! An allocation a request is a cost, and a large one more so: the
-//! allocator hands such blocks out across all the memory of their size it
-//! ever held, so that a process that once served many connections is
-//! slower at fewer (see docs/performance.md).
+//! An allocation a request is a cost the bench would show only once several
+//! had crept in; this holds their number (see docs/performance.md, "What
+//! was tried and ruled out", for one that was measured).
 
 mod support;
 
