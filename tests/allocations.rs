@@ -42,12 +42,12 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-/// A runtime on a thread of its own, running `start`'s future and keeping
-/// what it made; its handle runs tasks on that thread.
-fn on_own_thread<T, F>(start: impl FnOnce() -> F + Send + 'static) -> (tokio::runtime::Handle, T)
+/// A runtime on a thread of its own, running `start`'s future; its handle
+/// runs tasks on that thread. What the future made besides `T` is kept there.
+fn on_own_thread<T, K, F>(start: impl FnOnce() -> F + Send + 'static) -> (tokio::runtime::Handle, T)
 where
     T: Send + 'static,
-    F: std::future::Future<Output = (T, Box<dyn std::any::Any>)>,
+    F: std::future::Future<Output = (T, K)>,
 {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -56,11 +56,10 @@ where
             .build()
             .unwrap();
         rt.block_on(async {
-            let (out, keep) = start().await;
+            let (out, _kept) = start().await;
             tx.send((tokio::runtime::Handle::current(), out)).unwrap();
-            std::future::pending::<()>().await;
-            drop(keep);
-        });
+            std::future::pending::<()>().await
+        })
     });
     rx.recv().unwrap()
 }
@@ -68,25 +67,18 @@ where
 /// An upstream as nginx answers: every request read gets the same short
 /// answer, on keep-alive connections.
 async fn nginx_like() -> String {
-    use tokio::io::AsyncReadExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         while let Ok((mut conn, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while let Ok(n @ 1..) = conn.read(&mut chunk).await {
-                    buf.extend_from_slice(&chunk[..n]);
-                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        buf.drain(..end + 4);
-                        let answer = b"HTTP/1.1 200 OK\r\nServer: nginx\r\n\
-                            Date: Thu, 26 Nov 2026 04:00:00 GMT\r\n\
-                            Content-Type: text/plain\r\nContent-Length: 2\r\n\
-                            Connection: keep-alive\r\n\r\nok";
-                        if conn.write_all(answer).await.is_err() {
-                            return;
-                        }
+                while read_request_head(&mut conn).await {
+                    let answer = b"HTTP/1.1 200 OK\r\nServer: nginx\r\n\
+                        Date: Thu, 26 Nov 2026 04:00:00 GMT\r\n\
+                        Content-Type: text/plain\r\nContent-Length: 2\r\n\
+                        Connection: keep-alive\r\n\r\nok";
+                    if conn.write_all(answer).await.is_err() {
+                        return;
                     }
                 }
             });
@@ -100,14 +92,13 @@ async fn nginx_like() -> String {
 /// the requests the client sent at once, see `front::serve`), the upstream
 /// answer's fields and its body's state. The buffers are the thread's
 /// spares, the upstream connection the pool's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+#[tokio::test]
 async fn a_keep_alive_request_costs_three_allocations() {
     use tokio::io::AsyncReadExt;
-    let (_, upstream) =
-        on_own_thread(|| async { (nginx_like().await, Box::new(()) as Box<dyn std::any::Any>) });
+    let (_, upstream) = on_own_thread(|| async { (nginx_like().await, ()) });
     let (server, addr) = on_own_thread(move || async move {
         let sluice = Sluice::start(&proxy_to(&upstream)).await;
-        (sluice.addr, Box::new(sluice) as Box<dyn std::any::Any>)
+        (sluice.addr, sluice)
     });
     let counted = || {
         let server = server.clone();
