@@ -94,11 +94,13 @@ def frame(kind, flags, stream, payload=b""):
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
 
 
-# GET http://x/ on stream 1, ended: :method GET, :scheme http or https, :path
+# GET http://x/ on a stream, ended: :method GET, :scheme http or https, :path
 # / (static table entries), :authority "x" (a literal with an indexed name).
-def h2_request(https):
+def h2_request(https, stream=1):
+    """A GET on `stream`; the first (stream 1) opens the connection."""
     block = bytes([0x82, 0x87 if https else 0x86, 0x84, 0x41, 1]) + b"x"
-    return H2_PREFACE + frame(4, 0, 0) + frame(1, 0x5, 1, block)
+    opening = H2_PREFACE + frame(4, 0, 0) if stream == 1 else b""
+    return opening + frame(1, 0x5, stream, block)
 
 
 def read_exact(s, n):
@@ -129,8 +131,8 @@ def h1_exchange(s, post=False):
         read_exact(s, length - len(body))
 
 
-def h2_exchange(s, https):
-    s.sendall(h2_request(https))
+def h2_exchange(s, https, wanted=1):
+    s.sendall(h2_request(https, wanted))
     while True:
         header = read_exact(s, 9)
         length = int.from_bytes(header[:3], "big")
@@ -141,7 +143,7 @@ def h2_exchange(s, https):
             s.sendall(frame(4, 1, 0))
         elif kind == 7:
             raise RuntimeError("GOAWAY")
-        elif stream == 1 and kind in (0, 1) and flags & 1:
+        elif stream == wanted and kind in (0, 1) and flags & 1:
             return
 
 
@@ -158,9 +160,9 @@ def open_conns(port, proto, n, requests=1):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ctx:
             s = ctx.wrap_socket(s, server_hostname="localhost")
-        for _ in range(requests):
+        for i in range(requests):
             if proto.startswith("h2"):
-                h2_exchange(s, ctx is not None)
+                h2_exchange(s, ctx is not None, 2 * i + 1)
             else:
                 h1_exchange(s, post=proto == "h1-post")
         conns.append(s)

@@ -23,7 +23,6 @@
 //!   and an answer that has arrived whole (most small ones) needs no task:
 //!   it no longer holds the upstream either.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -166,11 +165,15 @@ pub const READ_AHEAD: usize = 64 * 1024;
 /// What the reading task hands over: a frame and the queue room it takes.
 type Item = Result<(Frame<Bytes>, OwnedSemaphorePermit), BoxError>;
 
+/// Frames read before the task started, first first.
+type Ready = smallvec::SmallVec<[Result<Frame<Bytes>, BoxError>; 1]>;
+
 /// A response body read by a task of its own (see the module's doc).
 pub struct Pumped {
     /// What was read before the task started: all of a small answer that
-    /// had already arrived, which then needs no task.
-    ready: VecDeque<Result<Frame<Bytes>, BoxError>>,
+    /// had already arrived, which then needs no task. Most are one frame,
+    /// kept here without an allocation.
+    ready: Ready,
     /// The task's queue; `None` when `ready` holds the whole body.
     rx: Option<mpsc::UnboundedReceiver<Item>>,
     hint: SizeHint,
@@ -198,17 +201,17 @@ impl Pumped {
         // upstream read already, and a task per answer is most of what an
         // HTTP/2 stream costs sluice. Nothing is waited for here (a waker
         // that does nothing: the task's real one replaces it).
-        let mut ready = VecDeque::new();
+        let mut ready = Ready::new();
         let mut taken = 0;
         let mut cx = Context::from_waker(std::task::Waker::noop());
         while taken < room {
             match Pin::new(&mut body).poll_frame(&mut cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     taken += frame.data_ref().map_or(0, |d| d.len());
-                    ready.push_back(Ok(frame));
+                    ready.push(Ok(frame));
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    ready.push_back(Err(e.into()));
+                    ready.push(Err(e.into()));
                     return Pumped::whole(ready, hint);
                 }
                 Poll::Ready(None) => return Pumped::whole(ready, hint),
@@ -226,7 +229,7 @@ impl Pumped {
     }
 
     /// A body read to its end before it needed a task.
-    fn whole(ready: VecDeque<Result<Frame<Bytes>, BoxError>>, hint: SizeHint) -> Pumped {
+    fn whole(ready: Ready, hint: SizeHint) -> Pumped {
         Pumped {
             ready,
             rx: None,
@@ -307,7 +310,8 @@ impl Body for Pumped {
         if self.done {
             return Poll::Ready(None);
         }
-        if let Some(frame) = self.ready.pop_front() {
+        if !self.ready.is_empty() {
+            let frame = self.ready.remove(0);
             if frame.is_err() {
                 self.done = true;
             }

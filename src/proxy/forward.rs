@@ -226,7 +226,12 @@ pub fn upstream_head(
     https: bool,
 ) -> Result<HeadBuf, &'static str> {
     let uri = req.uri();
-    let target = upstream_target(uri, server)?;
+    // Without a base path the client's path is written as it came, in
+    // whatever form its target had (an HTTP/2 request's is absolute).
+    let target = match server.base_path.is_empty() {
+        true => None,
+        false => upstream_target(uri, server)?,
+    };
     let pq = match &target {
         Some(pq) => pq.as_str(),
         None => uri.path_and_query().map_or("/", PathAndQuery::as_str),

@@ -370,6 +370,13 @@ impl Fields {
         })
     }
 
+    /// Keeps the head in a copy of its own, not in the connection's read
+    /// buffer: for what outlives the connection's next use (see
+    /// `PooledBody::detach`).
+    pub fn detach(&mut self) {
+        self.head = Bytes::copy_from_slice(&self.head);
+    }
+
     /// Adds the fields to `headers`, for hyper's server.
     pub fn append_to(&self, headers: &mut HeaderMap) {
         for &[n, m, v, w] in &self.spans {

@@ -1097,7 +1097,7 @@ impl Answer {
     pub fn into_response(self) -> Response<Body> {
         let Answer { mut resp, limits } = self;
         if let Either::Left(body) = resp.body_mut()
-            && let Some(fields) = body.take_fields()
+            && let Some(fields) = body.detach()
         {
             fields.append_to(resp.headers_mut());
         }

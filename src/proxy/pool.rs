@@ -393,6 +393,9 @@ struct Held {
     slot: Option<Slot>,
     /// The request's settlement, when it waits for the body's end.
     meter: Option<Box<super::metering::Metering>>,
+    /// Small data frames are copied out of the connection's read buffer
+    /// (see [`PooledBody::detach`]).
+    detached: bool,
 }
 
 type Back<C> = (C, Arc<Pools>, Origin, Keepalive);
@@ -414,6 +417,10 @@ enum Read {
     },
 }
 
+/// The largest data frame a detached body copies (see
+/// [`PooledBody::detach`]); a larger one costs the connection a new buffer.
+const DETACHED_COPY: usize = 4 * 1024;
+
 /// Answers of known length up to this size are not read ahead: the
 /// sockets' buffers on both sides hold them, so the upstream is done with
 /// them anyway, and a task per answer would cost the usual small one.
@@ -428,6 +435,21 @@ impl PooledBody {
             Read::Hyper { .. } => None,
             Read::Ahead { fields, .. } => fields.take(),
         }
+    }
+
+    /// For an answer hyper's server sends: its fields (`None` when they are
+    /// in the answer's map), and from now on its small data frames, are
+    /// copied out of the upstream connection's read buffer. hyper keeps them
+    /// until they are written (HTTP/2 frames wait for the connection's task;
+    /// HPACK's table keeps values for the connection's life), while the
+    /// connection, given back at the body's end, reads its next answer: a
+    /// buffer they still shared could not be reused, and a new one was
+    /// allocated for that answer.
+    pub fn detach(&mut self) -> Option<Box<h1::Fields>> {
+        self.0.detached = true;
+        let mut fields = self.take_fields()?;
+        fields.detach();
+        Some(fields)
     }
 
     /// Reads the rest of the answer up to `bytes` ahead of the client (the
@@ -452,6 +474,7 @@ impl PooledBody {
             read: Read::Ahead { pumped, fields },
             slot,
             meter,
+            detached: false,
         }))
     }
 
@@ -486,6 +509,7 @@ impl PooledBody {
             read: Read::Hyper { inner, back },
             slot: None,
             meter: None,
+            detached: false,
         }));
         // An empty body (a 204, a HEAD) may never be polled.
         if end {
@@ -507,6 +531,7 @@ impl PooledBody {
             },
             slot: None,
             meter: None,
+            detached: false,
         }));
         if end {
             body.give_back();
@@ -553,7 +578,14 @@ impl Body for PooledBody {
                 let Some((conn, ..)) = back else {
                     return Poll::Ready(None);
                 };
-                let frame = ready!(reader.poll_frame(conn, cx));
+                let mut frame = ready!(reader.poll_frame(conn, cx));
+                if this.0.detached
+                    && let Some(Ok(f)) = &mut frame
+                    && let Some(data) = f.data_mut()
+                    && data.len() <= DETACHED_COPY
+                {
+                    *data = Bytes::copy_from_slice(data);
+                }
                 let end = ends(&frame, reader.is_end(), back);
                 (frame.map(|f| f.map_err(Into::into)), end)
             }
