@@ -82,9 +82,9 @@ struct Idle<C> {
     since_ms: u64,
 }
 
-/// Idle connections by origin, each origin's a stack.
+/// Idle connections by origin, each origin's a stack (its top at the back).
 struct Stacks<C> {
-    idle: Mutex<HashMap<Origin, Vec<Idle<C>>, foldhash::fast::RandomState>>,
+    idle: Mutex<HashMap<Origin, VecDeque<Idle<C>>, foldhash::fast::RandomState>>,
 }
 
 impl<C> Default for Stacks<C> {
@@ -95,27 +95,42 @@ impl<C> Default for Stacks<C> {
     }
 }
 
-impl<C: Reusable> Stacks<C> {
+impl<C: Reusable + Send + 'static> Stacks<C> {
     fn lock(
         &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<Origin, Vec<Idle<C>>, foldhash::fast::RandomState>> {
+    ) -> std::sync::MutexGuard<'_, HashMap<Origin, VecDeque<Idle<C>>, foldhash::fast::RandomState>>
+    {
         // Nothing panics while holding the lock; a poisoned one is still sound.
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The most recently used idle connection of `origin` that is still open,
-    /// and how long it was idle.
+    /// and how long it was idle. Those passed over are closed apart (see
+    /// [`close_apart`]): once the top has been idle too long, so has all
+    /// below it.
     fn checkout(&self, origin: &Origin, keep: Keepalive) -> Option<(C, Duration)> {
         let now = crate::clock::coarse_ms();
         let mut pools = self.lock();
         let stack = pools.get_mut(origin)?;
-        while let Some(idle) = stack.pop() {
+        let mut passed = Vec::new();
+        let found = loop {
+            let Some(idle) = stack.pop_back() else {
+                break None;
+            };
             let idle_for = Duration::from_millis(now.saturating_sub(idle.since_ms));
-            if idle_for < keep.timeout && idle.conn.is_open() {
-                return Some((idle.conn, idle_for));
+            if idle_for >= keep.timeout {
+                passed.push(idle.conn);
+                passed.extend(stack.drain(..).map(|i| i.conn));
+                break None;
             }
-        }
-        None
+            if idle.conn.is_open() {
+                break Some((idle.conn, idle_for));
+            }
+            passed.push(idle.conn);
+        };
+        drop(pools);
+        close_apart(passed);
+        found
     }
 
     fn give_back(&self, origin: Origin, conn: C, keep: Keepalive) {
@@ -125,17 +140,44 @@ impl<C: Reusable> Stacks<C> {
         let now = crate::clock::coarse_ms();
         let mut pools = self.lock();
         let stack = pools.entry(origin).or_default();
-        // The oldest is at the bottom: drop it once it is too old or the
-        // stack too high (dropping a connection closes it).
+        // The oldest is at the bottom: let go once it is too old or the
+        // stack too high.
         let too_old =
             |i: &Idle<C>| now.saturating_sub(i.since_ms) >= keep.timeout.as_millis() as u64;
-        if stack.first().is_some_and(too_old) || stack.len() >= keep.idle {
-            stack.remove(0);
-        }
-        stack.push(Idle {
+        let oldest = match stack.front().is_some_and(too_old) || stack.len() >= keep.idle {
+            true => stack.pop_front(),
+            false => None,
+        };
+        stack.push_back(Idle {
             conn,
             since_ms: now,
         });
+        // Closed after the lock is let go (another worker may want it).
+        drop(pools);
+        drop(oldest);
+    }
+}
+
+/// Closes `conns` by a task of their own, eight a millisecond, so that no
+/// request waits for them and the upstream is not handed all their ends at
+/// once: the connections a burst opened go idle together and run out
+/// together, and closing some hundreds at once (a system call and a FIN
+/// each, which the upstream answers) held the request that found them, and
+/// every other on its thread and the upstream's, for tens of milliseconds.
+fn close_apart<C: Send + 'static>(conns: Vec<C>) {
+    const AT_ONCE: usize = 8;
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if conns.len() > AT_ONCE => {
+            runtime.spawn(async move {
+                let mut conns = conns.into_iter();
+                while conns.len() > 0 {
+                    conns.by_ref().take(AT_ONCE).for_each(drop);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            });
+        }
+        // A few are closed at once.
+        _ => drop(conns),
     }
 }
 
@@ -954,4 +996,57 @@ fn closed_unanswered(e: &hyper::Error) -> bool {
                         | std::io::ErrorKind::ConnectionAborted
                 )
             })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A kept connection that counts its closing.
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Reusable for Counted {
+        fn is_open(&self) -> bool {
+            true
+        }
+    }
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Connections that ran out together are closed by a task of their own,
+    /// a few at a time, not in the request that found them.
+    #[tokio::test]
+    async fn stale_connections_are_closed_apart_from_the_request() {
+        let closed = Arc::new(AtomicUsize::new(0));
+        let stacks = Stacks::default();
+        let origin: Origin = (false, HeaderValue::from_static("upstream:80"));
+        let kept = Keepalive {
+            idle: 1000,
+            timeout: Duration::from_secs(60),
+        };
+        for _ in 0..100 {
+            stacks.give_back(origin.clone(), Counted(closed.clone()), kept);
+        }
+        assert_eq!(closed.load(Ordering::Relaxed), 0);
+        // All of them have now been idle too long.
+        let run_out = Keepalive {
+            timeout: Duration::ZERO,
+            ..kept
+        };
+        assert!(stacks.checkout(&origin, run_out).is_none());
+        assert_eq!(closed.load(Ordering::Relaxed), 0, "closed in the request");
+        assert!(stacks.lock()[&origin].is_empty());
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while closed.load(Ordering::Relaxed) < 100 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the task closed them all");
+    }
 }
