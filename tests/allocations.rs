@@ -10,6 +10,7 @@ mod support;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::thread::LocalKey;
 
 use http::Request;
 use support::*;
@@ -97,6 +98,24 @@ async fn nginx_like() -> String {
     url
 }
 
+/// sluice on a thread of its own, in front of an nginx-like upstream on
+/// another: its runtime's handle and its address.
+fn sluice_on_own_thread() -> (tokio::runtime::Handle, std::net::SocketAddr) {
+    let (_, upstream) = on_own_thread(|| async { (nginx_like().await, ()) });
+    on_own_thread(move || async move {
+        let sluice = Sluice::start(&proxy_to(&upstream)).await;
+        (sluice.addr, sluice)
+    })
+}
+
+/// A counter as sluice's thread reads it.
+async fn read_on(server: &tokio::runtime::Handle, counter: &'static LocalKey<Cell<u64>>) -> u64 {
+    server
+        .spawn(async { counter.with(Cell::get) })
+        .await
+        .unwrap()
+}
+
 /// sluice's own server and client serve a keep-alive request with three
 /// allocations of sluice's thread: the box of the exchange (the work of
 /// the requests the client sent at once, see `front::serve`), the upstream
@@ -105,20 +124,8 @@ async fn nginx_like() -> String {
 #[tokio::test]
 async fn a_keep_alive_request_costs_three_allocations() {
     use tokio::io::AsyncReadExt;
-    let (_, upstream) = on_own_thread(|| async { (nginx_like().await, ()) });
-    let (server, addr) = on_own_thread(move || async move {
-        let sluice = Sluice::start(&proxy_to(&upstream)).await;
-        (sluice.addr, sluice)
-    });
-    let counted = || {
-        let server = server.clone();
-        async move {
-            server
-                .spawn(async { ALLOCATIONS.with(Cell::get) })
-                .await
-                .unwrap()
-        }
-    };
+    let (server, addr) = sluice_on_own_thread();
+    let counted = || read_on(&server, &ALLOCATIONS);
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut exchange = async |n: u64| {
         for _ in 0..n {
@@ -157,15 +164,8 @@ async fn a_keep_alive_request_costs_three_allocations() {
 /// `h2load -c50 -m10`).
 #[tokio::test]
 async fn http2_streams_reuse_the_upstream_read_buffer() {
-    let (_, upstream) = on_own_thread(|| async { (nginx_like().await, ()) });
-    let (server, addr) = on_own_thread(move || async move {
-        let sluice = Sluice::start(&proxy_to(&upstream)).await;
-        (sluice.addr, sluice)
-    });
-    let large = || {
-        let server = server.clone();
-        async move { server.spawn(async { LARGE.with(Cell::get) }).await.unwrap() }
-    };
+    let (server, addr) = sluice_on_own_thread();
+    let large = || read_on(&server, &LARGE);
     let client = h2_client();
     let url = format!("http://{addr}/items");
     // `n` streams on the one connection, ten at a time: as one ends the
