@@ -1,6 +1,7 @@
-//! What a keep-alive request costs sluice's thread in heap allocations,
-//! counted by this binary's allocator. sluice, its upstream and the client
-//! each run on a thread of their own, so that only sluice's are counted.
+//! What a keep-alive request, and an HTTP/2 stream, cost sluice's thread in
+//! heap allocations, counted by this binary's allocator. sluice, its
+//! upstream and the client each run on a thread of their own, so that only
+//! sluice's are counted.
 //!
 //! An allocation a request is a cost the bench would show only once several
 //! had crept in; this holds their number (see docs/performance.md, "What
@@ -32,7 +33,7 @@ fn count(size: usize) {
 }
 
 // SAFETY: every call is passed to the system allocator as it came; the
-// counter is a const-initialised thread-local without a destructor, so
+// counters are const-initialised thread-locals without a destructor, so
 // counting never allocates.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {

@@ -228,9 +228,10 @@ pub fn upstream_head(
     let uri = req.uri();
     // Without a base path the client's path is written as it came, in
     // whatever form its target had (an HTTP/2 request's is absolute).
-    let target = match server.base_path.is_empty() {
-        true => None,
-        false => upstream_target(uri, server)?,
+    let target = if server.base_path.is_empty() {
+        None
+    } else {
+        upstream_target(uri, server)?
     };
     let pq = match &target {
         Some(pq) => pq.as_str(),

@@ -106,7 +106,7 @@ impl<C: Reusable + Send + 'static> Stacks<C> {
 
     /// The most recently used idle connection of `origin` that is still open,
     /// and how long it was idle. Those passed over are closed apart (see
-    /// [`close_apart`]): once the top has been idle too long, so has all
+    /// [`close_apart`]): once the top has been idle too long, so have all
     /// below it.
     fn checkout(&self, origin: &Origin, keep: Keepalive) -> Option<(C, Duration)> {
         let now = crate::clock::coarse_ms();
