@@ -43,6 +43,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, UNIX_EPOCH};
@@ -185,10 +186,10 @@ pub enum Served {
 /// else: no read buffer, no request, no timer (as nginx's keep-alive
 /// connections hold no buffer). Once the client sends, the work of its
 /// requests (the buffers, the request and its answer, the proxy's future)
-/// is made in a box of its own, dropped once the requests are answered and
-/// nothing more has been read; so the connection's task, which lives as
-/// long as the connection, stays small (figures in docs/performance.md,
-/// "Idle connections").
+/// is made in a box of its own (see [`while_busy`]), dropped once the
+/// connection parks; so the connection's task, which lives as long as the
+/// connection, stays small (figures in docs/performance.md, "Idle
+/// connections").
 pub async fn serve<S: Stream>(
     stream: &mut S,
     conn: &Arc<Conn>,
@@ -200,36 +201,110 @@ pub async fn serve<S: Stream>(
     // Made at the first request and kept while the connection's task is.
     let mut keys = None;
     loop {
-        // A busy client's connection waits here, in its task; once its client
-        // has been quiet for a while, the sweep asks it to park.
-        let asked = poll_fn(|cx| match stream.poll_readable(cx) {
-            Poll::Ready(read) => Poll::Ready(read.map(|()| false)),
-            Poll::Pending if conn.asked_to_park(cx.waker()) => Poll::Ready(Ok(true)),
-            Poll::Pending => Poll::Pending,
-        })
-        .await?;
-        if asked {
+        if next_request(stream, conn).await? {
             return Ok(Served::Idle);
         }
         // Nothing served yet on this connection (see `exchange`).
         let first = keys.is_none() && !matches!(park, Park::Resumed);
-        let busy = match park {
+        // The box is made first and the future in it: `Box::pin` made the
+        // future on the stack and copied it.
+        let busy = Box::write(
+            Box::new_uninit(),
+            while_busy(stream, conn, &mut keys, first, &mut park),
+        );
+        if let Some(served) = Box::into_pin(busy).await? {
+            return Ok(served);
+        }
+    }
+}
+
+/// Waits for the client's next request: `true` when the sweep asks the
+/// connection to park first (its client has been quiet for [`BUSY_MS`]).
+/// (Not an `async fn`: its future would hold both references twice, and
+/// it is in every connection's task.)
+fn next_request<'a, S: Stream>(
+    stream: &'a mut S,
+    conn: &'a Conn,
+) -> impl Future<Output = io::Result<bool>> + 'a {
+    poll_fn(move |cx| match stream.poll_readable(cx) {
+        Poll::Ready(read) => Poll::Ready(read.map(|()| false)),
+        Poll::Pending if conn.asked_to_park(cx.waker()) => Poll::Ready(Ok(true)),
+        Poll::Pending => Poll::Pending,
+    })
+}
+
+/// Serves the client's exchanges while it is busy, waiting for each next
+/// request in the same box: one box for a busy client's run of requests,
+/// not one a request (up to [`KEPT_BOXES`] connections at once). A box a
+/// request had the allocator hand out a different block each time, and
+/// after a burst of connections those blocks were spread over all the
+/// pages the burst had filled, which made every later request dearer
+/// (docs/performance.md, "After a burst"). `None`: the connection waits
+/// for its next request outside the box, holding nothing: over TLS (never
+/// parked), or past the cap.
+async fn while_busy<S: Stream>(
+    stream: &mut S,
+    conn: &Arc<Conn>,
+    keys: &mut Option<Box<KeyCache>>,
+    mut first: bool,
+    park: &mut Park,
+) -> io::Result<Option<Served>> {
+    let mut kept = None;
+    loop {
+        let busy = match *park {
             Park::Never => true,
             Park::New => {
-                park = Park::Resumed;
+                *park = Park::Resumed;
                 false
             }
             Park::Resumed => conn.idle_ms() < BUSY_MS,
         };
-        // The box is made first and the future in it: `Box::pin` made the
-        // future on the stack and copied it.
-        let exchange = Box::write(Box::new_uninit(), exchange(stream, conn, &mut keys, first));
-        match Box::into_pin(exchange).await? {
-            Next::Idle if !busy => return Ok(Served::Idle),
+        match exchange(stream, conn, keys, first).await? {
+            Next::Idle if !busy => return Ok(Some(Served::Idle)),
+            Next::Idle if matches!(park, Park::Never) => return Ok(None),
             Next::Idle => {}
-            Next::Closed => return Ok(Served::Closed),
-            Next::Handoff(buf) => return Ok(Served::Handoff(buf)),
+            Next::Closed => return Ok(Some(Served::Closed)),
+            Next::Handoff(buf) => return Ok(Some(Served::Handoff(buf))),
         }
+        first = false;
+        // Past the cap, the box goes and the connection waits outside it.
+        if kept.is_none() {
+            kept = Kept::take();
+            if kept.is_none() {
+                return Ok(None);
+            }
+        }
+        if next_request(stream, conn).await? {
+            return Ok(Some(Served::Idle));
+        }
+    }
+}
+
+/// Connections at most that keep their box between requests (see
+/// [`while_busy`]): about 0.5 MB. The allocator keeps the memory of boxes
+/// let go together (when the sweep parks a burst of clients that went
+/// quiet) until it is next busy; a cap keeps that small.
+const KEPT_BOXES: usize = 128;
+
+/// Boxes kept between requests now, of all workers.
+static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+/// One of the [`KEPT_BOXES`], counted until dropped with its box.
+struct Kept;
+
+impl Kept {
+    fn take() -> Option<Kept> {
+        KEPT.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            (n < KEPT_BOXES).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Kept)
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        KEPT.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
