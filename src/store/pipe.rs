@@ -268,10 +268,9 @@ pub struct Batching {
 pub(super) const MAX_BATCH: usize = 128;
 
 /// How many times the writer lets the runtime go round before it writes
-/// under load (see `write_loop`). At wrk -c50 with the bench's Redis
-/// policy, two rounds put 28-34 decisions in a Redis call where one put
-/// 13-20, and served about 3 % more requests a second for about 3 % less
-/// CPU each; four did no better than two (docs/performance.md).
+/// under load (see `write_loop`): two gather about twice the decisions a
+/// call that one did, four no more than two (docs/performance.md, "The
+/// Redis policy against no policy").
 const GATHER_ROUNDS: usize = 2;
 
 /// The connection to one server, shared by every call.
