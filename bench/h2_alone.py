@@ -97,7 +97,11 @@ def main():
                                          capture_output=True, text=True).stdout
                     c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
                     u1, s1 = bench.cpu_split(pids[name])
+                    if " succeeded" not in out:
+                        raise RuntimeError(f"h2load against {name} finished no request:\n{out}")
                     done = int(out.split(" succeeded")[0].rsplit(" ", 1)[1])
+                    if done == 0:
+                        raise RuntimeError(f"h2load against {name} finished no request:\n{out}")
                     client = (c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) * 100 / args.duration
                     user, system = (u1 - u0) * 1e6 / done, (s1 - s0) * 1e6 / done
                     rows[name].append((user, system))
