@@ -6,8 +6,9 @@
 What the HTTP/2 server of each costs, apart from proxying: sluice with a
 `respond` route, haproxy with `http-request return`, nginx with `return
 200`, each one worker, each answering `ok` over HTTP/2 with prior knowledge.
-For each round, each setup in turn gets `h2load -t1 -c50 -m10 -D S`; CPU is
-the proxy process's (utime + stime, from /proc) per request. Reported: the
+For each round, each setup in turn gets `h2load -t1 -c50 -m10 -D S`, run
+and measured by bench.py's own `run_h2load`: CPU is the proxy process's
+(utime + stime, from /proc) per answer h2load received. Reported: the
 median over the rounds of user and system CPU per request, and sluice's
 ratio to haproxy's (the median of each round's ratio).
 
@@ -19,7 +20,6 @@ sluice is `target/release/sluice` unless `--sluice` names a binary.
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -91,22 +91,12 @@ def main():
             for r in range(1, args.rounds + 1):
                 for name in ["haproxy", "nginx", "sluice"]:
                     url = f"http://127.0.0.1:{ports[name]}/"
-                    u0, s0 = bench.cpu_split(pids[name])
-                    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    out = subprocess.run(["h2load", "-t1", "-c50", "-m10", "-D", str(args.duration), url],
-                                         capture_output=True, text=True).stdout
-                    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    u1, s1 = bench.cpu_split(pids[name])
-                    if " succeeded" not in out:
-                        raise RuntimeError(f"h2load against {name} finished no request:\n{out}")
-                    done = int(out.split(" succeeded")[0].rsplit(" ", 1)[1])
-                    if done == 0:
-                        raise RuntimeError(f"h2load against {name} finished no request:\n{out}")
-                    client = (c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) * 100 / args.duration
-                    user, system = (u1 - u0) * 1e6 / done, (s1 - s0) * 1e6 / done
-                    rows[name].append((user, system))
-                    print(f"round {r} {name:8} {done / args.duration:10.0f} req/s  "
-                          f"CPU {user:.2f} + {system:.2f} us/req  client {client:.0f} %", flush=True)
+                    # bench.py's own h2load run: the proxy's CPU per answer, h2load's.
+                    log = os.path.join(tmp, "h2load.log")
+                    m = bench.run_h2load(url, 50, args.duration, [pids[name]], None, log)
+                    rows[name].append((m["user_us"], m["sys_us"]))
+                    print(f"round {r} {name:8} {m['rps']:10.0f} req/s  CPU {m['user_us']:.2f} + "
+                          f"{m['sys_us']:.2f} us/req  client {m['client_pct']:.0f} %", flush=True)
         finally:
             for p in procs:
                 p.terminate()
