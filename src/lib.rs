@@ -11,6 +11,7 @@
 //! - [`stall`]: cuts clients that stop reading (`client_send_timeout`).
 //! - [`coalesce`]: small vectored writes sent as one buffer (plain TCP).
 //! - [`graceful`]: shutdown that lets requests in flight finish.
+//! - [`http2`]: sluice's own HTTP/2 codec (frames, HPACK).
 //! - [`proxy`]: the phases of one request (match, identify, decide, forward,
 //!   settle, log) and the responses sluice makes itself.
 //! - [`router`]: which route a request belongs to.
@@ -37,6 +38,7 @@ pub mod deny_cache;
 pub mod fields;
 pub mod front;
 pub mod graceful;
+pub mod http2;
 pub mod identity;
 pub mod idle;
 pub mod limiter;
