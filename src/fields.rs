@@ -19,7 +19,8 @@ use crate::ascii::eq_lower;
 /// The fields of one request, wherever they were read.
 #[derive(Clone, Copy)]
 pub enum Fields<'a> {
-    /// hyper's reading (HTTP/2, HTTP/1.0, unusual heads), or a test's map.
+    /// A header map: hyper's reading (HTTP/1.0, unusual heads), the own
+    /// HTTP/2 server's, or a test's.
     Map(&'a HeaderMap),
     /// The front's reading: spans of the head.
     Head(&'a HeadFields),

@@ -1071,6 +1071,13 @@ thread_local! {
     static DATE: RefCell<Date> = const { RefCell::new(Date { second: 0, text: [0; 29] }) };
 }
 
+/// The `Date` field's value now (for responses that lack one).
+pub fn date_value() -> http::HeaderValue {
+    DATE.with_borrow_mut(|date| {
+        http::HeaderValue::from_bytes(date.now()).unwrap_or(http::HeaderValue::from_static(""))
+    })
+}
+
 /// The `Date` value, made again once a second (per thread).
 struct Date {
     second: u64,

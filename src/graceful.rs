@@ -1,4 +1,5 @@
-//! Graceful shutdown of the client connections hyper serves: on the signal
+//! Graceful shutdown of the client connections hyper's HTTP/1 server and
+//! the own HTTP/2 server serve: on the signal
 //! (see [`crate::idle::Connections::stop`]), each finishes the requests it
 //! has in flight and closes.
 //!

@@ -11,7 +11,8 @@
 //! - [`stall`]: cuts clients that stop reading (`client_send_timeout`).
 //! - [`coalesce`]: small vectored writes sent as one buffer (plain TCP).
 //! - [`graceful`]: shutdown that lets requests in flight finish.
-//! - [`http2`]: sluice's own HTTP/2 codec (frames, HPACK).
+//! - [`http2`]: sluice's own HTTP/2 server (frames, HPACK, streams, flow
+//!   control), on plain TCP and TLS.
 //! - [`proxy`]: the phases of one request (match, identify, decide, forward,
 //!   settle, log) and the responses sluice makes itself.
 //! - [`router`]: which route a request belongs to.

@@ -13,9 +13,9 @@ use http::{Request, Response};
 use http_body_util::Either;
 use hyper::body::Body as _;
 use hyper::body::Incoming;
-use hyper::server::conn::{http1, http2};
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -25,9 +25,10 @@ use crate::config::{Backend, Config};
 use crate::front;
 use crate::front::{Client, H2_PREFACE, Park, Rewind, Served};
 use crate::graceful;
+use crate::http2::RecvBody;
 use crate::idle::{Conn, Connections, Ended, Tracked};
 use crate::limiter::{KeyCache, Limiter};
-use crate::proxy::{Answer, Proxy, ProxyError, RequestBody};
+use crate::proxy::{Answer, ClientBody, Proxy, ProxyError, RequestBody};
 use crate::stall::{Pumped, SendTimeout};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
@@ -217,8 +218,9 @@ struct Hyper {
 }
 
 impl Hyper {
-    /// Serves `io`, the client connection of `conn`, by hyper, speaking
-    /// `proto`, until it ends or is shut down (see [`Protocols::serve`]).
+    /// Serves `io`, the client connection of `conn`, speaking `proto`:
+    /// HTTP/1.1 by hyper, HTTP/2 by sluice's own server ([`crate::http2`]),
+    /// until it ends or is shut down (see [`Protocols::serve`]).
     fn serve<I>(self, io: I, proto: Proto, conn: Arc<Conn>) -> Serving
     where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -228,52 +230,78 @@ impl Hyper {
         // The limiter's cache of the last request's identities (see
         // `front::Client`), for the connection's life.
         let keys = Arc::new(KeyCache::default());
-        let service = service_fn(move |req| {
-            // The request begins inside the future: begun out here, it made
-            // hyper copy the request's future once more.
-            let conn = conn.clone();
-            let keys = keys.clone();
-            let serving = move || async move {
-                let request = conn.begin();
-                let client = &conn.client;
-                let mut req = req.map(RequestBody::Stream);
-                // Several requests at once (HTTP/2): each its own timer.
-                let mut answer = None;
-                client
-                    .proxy
-                    .handle(&mut req, None, client.peer(), &keys, None, &mut answer)
-                    .await;
-                // `handle` always answers; a 500 should it ever not.
-                let resp =
-                    answer.map_or_else(|| ProxyError::Unanswered.response(), Answer::into_response);
-                // An HTTP/2 stream without window is never written to: its
-                // body is watched apart.
-                let h2 = req.version() == http::Version::HTTP_2;
-                // A body sluice answered without reading (a 404, a 429, a
-                // `respond` route) is read first, a little (see `drain`).
-                if h2 && !req.body().is_end_stream() {
-                    drain(req.body_mut()).await;
-                }
-                let send_timeout = client.send_timeout();
-                let resp = resp.map(|body| match body {
-                    Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
-                        let conn = conn.clone();
-                        let ahead = crate::stall::READ_AHEAD;
-                        Either::Right(Pumped::new(upstream, ahead, send_timeout, move || {
-                            conn.close()
-                        }))
-                    }
-                    body => Either::Left(body),
-                });
-                Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
+        if let Proto::Http2 = proto {
+            let settings = self.protocols.http2;
+            let service = move |req: Request<RecvBody>| {
+                let req = req.map(|b| RequestBody::Stream(ClientBody::Http2(b)));
+                // Boxed, made in its box: the proxy's phases make it
+                // kilobytes, and the connection keeps it until answered.
+                let (conn, keys) = (conn.clone(), keys.clone());
+                in_place(move || respond(conn, keys, req))
             };
-            // Boxed, made in its box: hyper moves a stream's future into
-            // the stream's task, and this one is kilobytes (the proxy's
-            // phases).
-            in_place(serving)
+            let http2 = Box::pin(crate::http2::Connection::new(io, settings, service));
+            return Box::pin(async move {
+                graceful::watch(http2, signal, |c| c.get_mut().graceful_shutdown())
+                    .await
+                    .map_err(BoxError::from)
+            });
+        }
+        let service = service_fn(move |req: Request<Incoming>| {
+            let req = req.map(|b| RequestBody::Stream(ClientBody::Hyper(b)));
+            let (conn, keys) = (conn.clone(), keys.clone());
+            // Boxed, made in its box: hyper moves the future again.
+            let serving = in_place(move || respond(conn, keys, req));
+            async move { Ok::<_, Infallible>(serving.await) }
         });
-        self.protocols
-            .serve(TokioIo::new(io), proto, service, signal)
+        self.protocols.serve(TokioIo::new(io), service, signal)
+    }
+}
+
+/// The body of a response served by hyper's or the own HTTP/2 server.
+type ResponseBody = Tracked<Either<crate::proxy::Body, Pumped>>;
+
+/// Answers `req`, a request of `conn` (served by hyper's HTTP/1.1 or the
+/// own HTTP/2 server). The request begins inside the future: begun out
+/// here, it made hyper copy the request's future once more.
+fn respond(
+    conn: Arc<Conn>,
+    keys: Arc<KeyCache>,
+    mut req: Request<RequestBody>,
+) -> impl Future<Output = Response<ResponseBody>> + Send {
+    {
+        async move {
+            let request = conn.begin();
+            let client = &conn.client;
+            // Several requests at once (HTTP/2): each its own timer.
+            let mut answer = None;
+            client
+                .proxy
+                .handle(&mut req, None, client.peer(), &keys, None, &mut answer)
+                .await;
+            // `handle` always answers; a 500 should it ever not.
+            let resp =
+                answer.map_or_else(|| ProxyError::Unanswered.response(), Answer::into_response);
+            // An HTTP/2 stream without window is never written to: its
+            // body is watched apart.
+            let h2 = req.version() == http::Version::HTTP_2;
+            // A body sluice answered without reading (a 404, a 429, a
+            // `respond` route) is read first, a little (see `drain`).
+            if h2 && !req.body().is_end_stream() {
+                drain(req.body_mut()).await;
+            }
+            let send_timeout = client.send_timeout();
+            let resp = resp.map(|body| match body {
+                Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
+                    let conn = conn.clone();
+                    let ahead = crate::stall::READ_AHEAD;
+                    Either::Right(Pumped::new(upstream, ahead, send_timeout, move || {
+                        conn.close()
+                    }))
+                }
+                body => Either::Left(body),
+            });
+            resp.map(|body| Tracked::new(body, request))
+        }
     }
 }
 
@@ -288,11 +316,12 @@ fn in_place<F>(make: impl FnOnce() -> F) -> Pin<Box<F>> {
     Box::into_pin(Box::write(b, make()))
 }
 
-/// A connection served by hyper (see [`Protocols::serve`]).
+/// A connection served by hyper's HTTP/1 or the own HTTP/2 server.
 type Serving = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send>>;
 
 /// A client connection on plain TCP: HTTP/1 served by sluice's own server
-/// (see [`front`]) until a request it hands to hyper's, HTTP/2 by hyper's.
+/// (see [`front`]) until a request it hands to hyper's, HTTP/2 by the own
+/// HTTP/2 server ([`crate::http2`]).
 /// The own server's connection is parked when it waits for a client that
 /// is not busy: its task ends, and a task runs this again, `resumed`, once
 /// the client sends (see [`crate::idle::Ended::park`]). The task's future
@@ -334,9 +363,9 @@ fn log_error(ended: &Ended, e: BoxError) {
 }
 
 /// Who serves a connection the own server hands on, its unused bytes
-/// `rest` in front: hyper's HTTP/2 server when they are the HTTP/2 preface
+/// `rest` in front: the own HTTP/2 server when they are the HTTP/2 preface
 /// (prior knowledge, RFC 9113 3.3), else hyper's HTTP/1 server (the own
-/// server hands on a whole request head).
+/// HTTP/1.1 server hands on a whole request head).
 fn handoff(rest: &[u8]) -> Proto {
     if rest.starts_with(H2_PREFACE) {
         Proto::Http2
@@ -384,8 +413,8 @@ fn tls(
 
 /// What ALPN chose is spoken from the first byte: a client that chose h2 and
 /// sends no valid preface gets HTTP/2's GOAWAY, not an HTTP/1 400. Without
-/// ALPN, an HTTP/2 client's preface is handed on by the own server, to
-/// hyper's HTTP/2 server (see [`handoff`]).
+/// ALPN, an HTTP/2 client's preface is handed on by the own HTTP/1.1
+/// server to the HTTP/2 one (see [`handoff`]).
 fn serve_tls<'a>(
     stream: tokio_rustls::server::TlsStream<TcpStream>,
     conn: &'a Arc<Conn>,
@@ -499,10 +528,11 @@ enum Proto {
     Http2,
 }
 
-/// The connection builders: HTTP/1 and HTTP/2.
+/// How connections are served: hyper's HTTP/1 builder, the own HTTP/2
+/// server's settings.
 struct Protocols {
     http1: http1::Builder,
-    http2: http2::Builder<TokioExecutor>,
+    http2: crate::http2::Settings,
 }
 
 impl Protocols {
@@ -511,62 +541,39 @@ impl Protocols {
         // only needs room for a head of that size, plus slack for the request line.
         let max = config.server.max_header_bytes;
         let max_buf = (max + 16 * 1024).max(8192);
-        let streams = config.server.max_streams;
         let mut http1 = http1::Builder::new();
         http1
             .timer(TokioTimer::new())
             // server.header_timeout is kept by crate::idle, without a timer per request.
             .header_read_timeout(None::<Duration>)
             .max_buf_size(max_buf);
-        let mut http2 = http2::Builder::new(TokioExecutor::new());
-        http2
-            .timer(TokioTimer::new())
-            .max_concurrent_streams(streams)
-            .max_header_list_size(max as u32);
+        let http2 = crate::http2::Settings {
+            max_streams: config.server.max_streams,
+            max_header_list: max,
+        };
         Protocols { http1, http2 }
     }
 
-    /// Serves one client connection until it ends, or until `signal` and its
-    /// requests in flight are done, speaking `proto`. hyper's connection,
+    /// Serves one HTTP/1 client connection by hyper until it ends, or until
+    /// `signal` and its requests in flight are done. hyper's connection,
     /// with `io`, is made here and boxed, so that it is kept once: moved
     /// into a future, and from it into another, each kept a copy.
-    fn serve<I, S, B>(
-        &self,
-        io: I,
-        proto: Proto,
-        service: S,
-        signal: tokio::sync::watch::Receiver<()>,
-    ) -> Serving
+    fn serve<I, S, B>(&self, io: I, service: S, signal: tokio::sync::watch::Receiver<()>) -> Serving
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-        S: hyper::service::Service<Request<Incoming>, Response = Response<B>>
-            + Clone
-            + Send
-            + 'static,
+        S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
         S::Future: Send + 'static,
         S::Error: Into<BoxError>,
         B: hyper::body::Body + Send + 'static,
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
-        match proto {
-            Proto::Http1 => {
-                let conn = Box::pin(self.http1.serve_connection(io, service).with_upgrades());
-                Box::pin(async move {
-                    graceful::watch(conn, signal, |c| c.graceful_shutdown())
-                        .await
-                        .map_err(BoxError::from)
-                })
-            }
-            Proto::Http2 => {
-                let conn = Box::pin(self.http2.serve_connection(io, service));
-                Box::pin(async move {
-                    graceful::watch(conn, signal, |c| c.graceful_shutdown())
-                        .await
-                        .map_err(BoxError::from)
-                })
-            }
-        }
+        let conn = Box::pin(self.http1.serve_connection(io, service).with_upgrades());
+        Box::pin(async move {
+            graceful::watch(conn, signal, |c| c.graceful_shutdown())
+                .await
+                .map_err(BoxError::from)
+        })
     }
 }
 

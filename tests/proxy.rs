@@ -320,6 +320,33 @@ async fn http2_prior_knowledge_is_served() {
     );
 }
 
+/// sluice's own HTTP/2 server, with hyper's client: bodies larger than
+/// every flow-control window pass both ways, on streams of one connection
+/// at once. (Trailers over HTTP/2: tests/upstream_answers.rs.)
+#[tokio::test]
+async fn http2_bodies_beyond_the_windows_pass_on_streams_at_once() {
+    let (_up, sluice) = setup().await;
+    let c = h2_client();
+    const N: u64 = 3 * 1024 * 1024;
+    let mut streams = Vec::new();
+    for i in 0..6 {
+        let c = c.clone();
+        let (up, down) = (sluice.url("/upload"), sluice.url(&format!("/bytes/{N}")));
+        streams.push(tokio::spawn(async move {
+            if i % 2 == 0 {
+                let r = send(&c, Request::post(up).body(chunked_body(N)).unwrap()).await;
+                assert_eq!((r.status, r.body), (StatusCode::OK, N.to_string().into()));
+            } else {
+                let r = send(&c, Request::get(down).body(empty()).unwrap()).await;
+                assert_eq!((r.status, r.body.len() as u64), (StatusCode::OK, N));
+            }
+        }));
+    }
+    for s in streams {
+        s.await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn keeps_upstream_connections_alive() {
     let (_up, sluice) = setup().await;

@@ -307,11 +307,9 @@ pub fn parse(head: Head, payload: &[u8]) -> Result<Frame<'_>, FrameError> {
             let increment =
                 u32_of(payload).ok_or(Connection(Reason::FRAME_SIZE_ERROR))? & 0x7fff_ffff;
             if increment == 0 {
-                return Err(if stream == 0 {
-                    Connection(Reason::PROTOCOL_ERROR)
-                } else {
-                    Stream(stream, Reason::PROTOCOL_ERROR)
-                });
+                // A stream error on a stream, says RFC 9113 (6.9); h2 ends
+                // the connection, and so does sluice.
+                return Err(Connection(Reason::PROTOCOL_ERROR));
             }
             Ok(Frame::WindowUpdate { stream, increment })
         }
@@ -576,7 +574,7 @@ mod tests {
             ),
             (
                 frame(kind::WINDOW_UPDATE, 0, 1, &[0; 4]),
-                Stream(1, Reason::PROTOCOL_ERROR),
+                Connection(Reason::PROTOCOL_ERROR),
             ),
             (
                 frame(kind::WINDOW_UPDATE, 0, 1, &[0; 3]),

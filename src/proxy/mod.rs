@@ -52,7 +52,7 @@ use hyper_util::rt::TokioIo;
 
 use pool::{PooledBody, UpstreamClient, UpstreamError};
 
-pub use pool::RequestBody;
+pub use pool::{ClientBody, RequestBody};
 
 pub use error::ProxyError;
 pub use ratelimit_headers::Limits;

@@ -706,11 +706,47 @@ fn bare_host(server: &UpstreamServer) -> &str {
         .trim_end_matches(']')
 }
 
-/// A request's body: the client's as hyper's server reads it, or none (a
+/// A client's request body as a server reads it: hyper's (HTTP/1.1), or
+/// sluice's own HTTP/2 server's.
+pub enum ClientBody {
+    Hyper(Incoming),
+    Http2(crate::http2::RecvBody),
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            ClientBody::Http2(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ClientBody::Hyper(b) => b.is_end_stream(),
+            ClientBody::Http2(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ClientBody::Hyper(b) => b.size_hint(),
+            ClientBody::Http2(b) => b.size_hint(),
+        }
+    }
+}
+
+/// A request's body: the client's as a server reads it, or none (a
 /// request sluice's own server ([`crate::front`]) took, which never has one,
 /// or one sent once more, see [`replayable`]).
 pub enum RequestBody {
-    Stream(Incoming),
+    Stream(ClientBody),
     /// Taken whole from the client before forwarding (see
     /// [`RequestBody::take`]).
     Taken(VecDeque<Frame<Bytes>>),
@@ -719,7 +755,7 @@ pub enum RequestBody {
     /// size: it may go the own way, behind the head.
     Read(Bytes),
     /// Larger than the upstream's `buffer`: what was taken, then the rest.
-    Begun(VecDeque<Frame<Bytes>>, Incoming),
+    Begun(VecDeque<Frame<Bytes>>, ClientBody),
     /// The client's, on its way upstream (see [`RequestBody::watch`]).
     Uploading(Box<Uploading>),
     Empty,
@@ -730,7 +766,7 @@ pub enum RequestBody {
 pub struct Uploading {
     /// Frames taken before the upload began (see [`RequestBody::take`]).
     first: VecDeque<Frame<Bytes>>,
-    inner: Incoming,
+    inner: ClientBody,
     /// `server.client_body_timeout`, while the client keeps the body waiting.
     waiting: crate::stall::Waiting,
     /// Told when the whole body has been handed to the upstream connection.
@@ -858,9 +894,7 @@ impl Uploading {
                 .store(crate::clock::coarse_ms(), Ordering::Release);
             return Poll::Ready(Some(Ok(frame)));
         }
-        let poll = Pin::new(&mut self.inner)
-            .poll_frame(cx)
-            .map_err(BoxError::from);
+        let poll = Pin::new(&mut self.inner).poll_frame(cx);
         self.progress
             .asked_ms
             .store(crate::clock::coarse_ms(), Ordering::Release);
@@ -908,13 +942,13 @@ impl Body for RequestBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            RequestBody::Stream(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            RequestBody::Stream(body) => Pin::new(body).poll_frame(cx),
             RequestBody::Taken(frames) => Poll::Ready(frames.pop_front().map(Ok)),
             RequestBody::Read(data) if data.is_empty() => Poll::Ready(None),
             RequestBody::Read(data) => Poll::Ready(Some(Ok(Frame::data(std::mem::take(data))))),
             RequestBody::Begun(frames, body) => match frames.pop_front() {
                 Some(frame) => Poll::Ready(Some(Ok(frame))),
-                None => Pin::new(body).poll_frame(cx).map_err(Into::into),
+                None => Pin::new(body).poll_frame(cx),
             },
             RequestBody::Uploading(body) => body.poll_frame(cx),
             RequestBody::Empty => Poll::Ready(None),
