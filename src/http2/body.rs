@@ -240,3 +240,45 @@ impl Drop for RecvBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    /// One-byte DATA frames are gathered: a client cannot make the queue
+    /// hold an entry (and a read buffer) per byte.
+    #[tokio::test]
+    async fn small_frames_are_gathered() {
+        let inbox = Arc::new(Inbox::default());
+        let body = RecvBody::new(inbox.clone(), Some(6000));
+        for _ in 0..4000 {
+            assert!(inbox.push(Bytes::from_static(b"x")));
+        }
+        assert!(inbox.lock().data.is_empty());
+        assert!(inbox.push(Bytes::from(vec![b'y'; 2000])));
+        assert_eq!(inbox.lock().data.len(), 2);
+        inbox.end(None);
+        let all = body.collect().await.unwrap().to_bytes();
+        assert_eq!(all.len(), 6000);
+        assert!(all[..4000].iter().all(|&b| b == b'x'));
+    }
+
+    /// What the reader took is given back once; a dropped reader gives
+    /// back what waited.
+    #[tokio::test]
+    async fn read_bytes_are_given_back() {
+        let inbox = Arc::new(Inbox::default());
+        let mut body = RecvBody::new(inbox.clone(), None);
+        inbox.push(Bytes::from(vec![1; 2000]));
+        inbox.push(Bytes::from(vec![2; 3000]));
+        let first = body.frame().await.unwrap().unwrap();
+        assert_eq!(first.into_data().unwrap().len(), 2000);
+        let waker = std::task::Waker::noop();
+        assert_eq!(inbox.take_released(waker), 2000);
+        assert_eq!(inbox.take_released(waker), 0);
+        drop(body);
+        assert_eq!(inbox.take_released(waker), 3000);
+        assert!(!inbox.push(Bytes::from_static(b"late")), "nobody reads");
+    }
+}

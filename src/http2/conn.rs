@@ -16,7 +16,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::header::{CONNECTION, CONTENT_LENGTH, DATE, TE, TRANSFER_ENCODING, UPGRADE};
 use http::{HeaderMap, HeaderValue, Request, Response, Version};
 use hyper::body::{Body, Frame as BodyFrame};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::body::{Inbox, RecvBody};
 use super::frame::{self, Frame, FrameError, Head, Reason, setting};
@@ -114,7 +114,8 @@ struct Stream<B> {
     inbox: Option<Arc<Inbox>>,
     /// The client may still send DATA.
     recv_open: bool,
-    /// Read from the inbox and not given back to the client yet.
+    /// Read from the inbox (or dropped: padding, data nobody reads) and not
+    /// given back to the client as stream window yet.
     to_release: usize,
     /// What the client may still send on the stream before window is
     /// given back.
@@ -304,15 +305,7 @@ where
         if self.read.capacity() - self.read.len() < 4096 {
             self.read.reserve(16 * 1024);
         }
-        let n = {
-            let spare = self.read.spare_capacity_mut();
-            let mut buf = ReadBuf::uninit(spare);
-            ready!(Pin::new(&mut self.io).poll_read(cx, &mut buf))?;
-            buf.filled().len()
-        };
-        // SAFETY: `poll_read` initialised the first `n` spare bytes.
-        unsafe { self.read.set_len(self.read.len() + n) };
-        Poll::Ready(Ok(n))
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read)
     }
 
     /// Acts on every whole frame read.
@@ -510,8 +503,9 @@ where
         if self.recv_window < 0 {
             return Err(FrameError::Connection(Reason::FLOW_CONTROL_ERROR));
         }
-        // Padding is given back at once; data once read.
-        self.recv_released += flow_len - data.len();
+        // Padding is given back at once; data once read (see `release`).
+        let padding = flow_len - data.len();
+        self.recv_released += padding;
         let Some(s) = self.streams.get_mut(&id) else {
             // A stream closed: in flight when sluice reset it, ignored;
             // else a stream error (6.1).
@@ -538,7 +532,7 @@ where
             self.recv_released += data.len();
             return Err(FrameError::Stream(id, Reason::FLOW_CONTROL_ERROR));
         }
-        s.recv_window += (flow_len - data.len()) as i64;
+        s.to_release += padding;
         s.received += data.len() as u64;
         if s.length
             .is_some_and(|n| s.received > n || (end_stream && s.received != n))
@@ -549,9 +543,9 @@ where
         }
         let len = data.len();
         if !data.is_empty() && !inbox.push(data) {
-            // Nobody reads it any more.
+            // Nobody reads it any more: given back at once.
             self.recv_released += len;
-            s.recv_window += len as i64;
+            s.to_release += len;
         }
         if end_stream {
             inbox.end(None);
@@ -710,7 +704,7 @@ where
             } else {
                 failed
             };
-            self.recv_released += s.to_release + inbox.detach(failed);
+            self.recv_released += inbox.detach(failed);
         }
     }
 
@@ -749,22 +743,22 @@ where
         list.push_back(id);
     }
 
-    /// Removes stream `id` once both sides are done; a response sent whole
-    /// while the client is still sending ends the stream (8.1).
+    /// Removes stream `id` once both sides are done. A response sent whole
+    /// while the client is still sending leaves the stream open until the
+    /// client ends it, what it sends given back at once once nobody reads
+    /// it, as h2 does: RFC 9113 (8.1) allows a RST_STREAM with NO_ERROR
+    /// there, but clients (curl among them) take that for an error and
+    /// drop the response.
     fn finish_if_done(&mut self, id: u32) {
         let Some(s) = self.streams.get(&id) else {
             return;
         };
-        if !matches!(s.send, Send::Done) {
+        if !matches!(s.send, Send::Done) || s.recv_open {
             return;
         }
         self.answered += 1;
-        if s.recv_open {
-            self.reset_stream(id, Reason::NO_ERROR);
-        } else {
-            self.remove(id, None);
-            self.remember(id, false);
-        }
+        self.remove(id, None);
+        self.remember(id, false);
     }
 
     /// A response is ready: its head written, its body begun.
@@ -918,13 +912,11 @@ where
     /// sent, and is read.)
     fn release(&mut self, cx: &mut Context<'_>) {
         for (&id, s) in &mut self.streams {
-            let Some(inbox) = &s.inbox else { continue };
-            let n = inbox.take_released(cx.waker());
-            if n == 0 {
-                continue;
+            if let Some(inbox) = &s.inbox {
+                let n = inbox.take_released(cx.waker());
+                self.recv_released += n;
+                s.to_release += n;
             }
-            self.recv_released += n;
-            s.to_release += n;
             if s.recv_open && s.to_release >= STREAM_WINDOW as usize / 4 {
                 let inc = std::mem::take(&mut s.to_release);
                 frame::put_window_update(&mut self.write, id, inc as u32);
@@ -1065,5 +1057,195 @@ fn strip_connection_fields(headers: &mut HeaderMap) {
         for name in named.split(',') {
             headers.remove(name.trim());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http2::frame::{flag, kind};
+    use http_body_util::{BodyExt, Full};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    const SETTINGS: Settings = Settings {
+        max_streams: 100,
+        max_header_list: 16 * 1024,
+    };
+
+    /// A client speaking raw frames to a connection that answers every
+    /// request with `200 ok` at once, never reading its body.
+    async fn start() -> DuplexStream {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let service = |_req: Request<RecvBody>| {
+            Box::pin(async { Response::new(Full::new(Bytes::from_static(b"ok"))) })
+        };
+        tokio::spawn(Connection::new(server, SETTINGS, service));
+        let mut hello = frame::PREFACE.to_vec();
+        frame::put_settings(&mut hello, &[]);
+        let mut client = client;
+        client.write_all(&hello).await.unwrap();
+        client
+    }
+
+    /// A POST's header block: literals without indexing.
+    fn post_block(length: usize) -> Vec<u8> {
+        let mut b = vec![0x83, 0x86, 0x84];
+        let len = length.to_string();
+        b.push(0x0f);
+        b.push(0x0d); // content-length: static index 28, as 15 + 13
+        b.push(len.len() as u8);
+        b.extend_from_slice(len.as_bytes());
+        b
+    }
+
+    /// Reads frames until `until` says stop (or the connection ends); each
+    /// frame's head and payload.
+    async fn read_until(
+        io: &mut DuplexStream,
+        buf: &mut Vec<u8>,
+        mut until: impl FnMut(&Head, &[u8]) -> bool,
+    ) -> Vec<(Head, Vec<u8>)> {
+        let mut frames = Vec::new();
+        loop {
+            while let Some(head) = Head::read(buf) {
+                if buf.len() < frame::HEAD_LEN + head.len {
+                    break;
+                }
+                let payload = buf[frame::HEAD_LEN..frame::HEAD_LEN + head.len].to_vec();
+                buf.drain(..frame::HEAD_LEN + head.len);
+                let stop = until(&head, &payload);
+                frames.push((head, payload));
+                if stop {
+                    return frames;
+                }
+            }
+            let mut chunk = [0u8; 16 * 1024];
+            match io.read(&mut chunk).await {
+                Ok(0) | Err(_) => return frames,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    /// A client whose request body the answer did not need may still send
+    /// all of it: the window comes back, no stream or connection error.
+    #[tokio::test]
+    async fn a_body_nobody_reads_is_taken_to_its_end() {
+        let mut c = start().await;
+        const N: usize = 3 << 20;
+        let mut out = Vec::new();
+        frame::put_headers(&mut out, 1, &post_block(N), false, 16_384);
+        c.write_all(&out).await.unwrap();
+        let mut buf = Vec::new();
+        // The answer comes whole.
+        read_until(&mut c, &mut buf, |h, _| {
+            h.kind == kind::DATA && h.flags & flag::END_STREAM != 0
+        })
+        .await;
+        // The client's windows: 1 MiB each once the server's SETTINGS and
+        // WINDOW_UPDATE are in.
+        let (mut stream_window, mut conn_window) =
+            (i64::from(STREAM_WINDOW), i64::from(CONN_WINDOW));
+        let mut sent = 0;
+        let chunk = vec![b'x'; 16_384];
+        while sent < N {
+            while sent < N
+                && stream_window >= chunk.len() as i64
+                && conn_window >= chunk.len() as i64
+            {
+                let n = chunk.len().min(N - sent);
+                let mut f = Vec::new();
+                frame::put_data_head(&mut f, 1, n, sent + n == N);
+                f.extend_from_slice(&chunk[..n]);
+                c.write_all(&f).await.unwrap();
+                sent += n;
+                stream_window -= n as i64;
+                conn_window -= n as i64;
+            }
+            if sent == N {
+                break;
+            }
+            let frames = read_until(&mut c, &mut buf, |h, _| h.kind == kind::WINDOW_UPDATE).await;
+            for (h, p) in frames {
+                assert_ne!(h.kind, kind::RST_STREAM, "stream reset");
+                assert_ne!(h.kind, kind::GOAWAY, "connection ended");
+                if h.kind == kind::WINDOW_UPDATE {
+                    let inc = i64::from(u32::from_be_bytes([p[0], p[1], p[2], p[3]]));
+                    if h.stream == 0 {
+                        conn_window += inc;
+                    } else {
+                        stream_window += inc;
+                    }
+                }
+            }
+        }
+        // Then a PING is answered: the connection is well.
+        let mut ping = Vec::new();
+        frame::put_head(&mut ping, 8, kind::PING, 0, 0);
+        ping.extend_from_slice(&[9; 8]);
+        c.write_all(&ping).await.unwrap();
+        let frames = read_until(&mut c, &mut buf, |h, _| h.kind == kind::PING).await;
+        assert!(
+            frames
+                .iter()
+                .all(|(h, _)| h.kind != kind::RST_STREAM && h.kind != kind::GOAWAY)
+        );
+        assert_eq!(frames.last().map(|(h, _)| h.flags), Some(flag::ACK));
+    }
+
+    /// Opening streams and resetting them, over and over, ends the
+    /// connection with ENHANCE_YOUR_CALM.
+    #[tokio::test]
+    async fn rapid_reset_ends_the_connection() {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        // Never answered: every stream is still worked on when reset.
+        let service =
+            |_req: Request<RecvBody>| Box::pin(std::future::pending::<Response<Full<Bytes>>>());
+        tokio::spawn(Connection::new(server, SETTINGS, service));
+        let mut c = client;
+        let mut out = frame::PREFACE.to_vec();
+        frame::put_settings(&mut out, &[]);
+        for i in 0..(RESETS_ALLOWED as u32 + 10) {
+            let id = 2 * i + 1;
+            frame::put_headers(&mut out, id, &[0x82, 0x86, 0x84], false, 16_384);
+            frame::put_rst_stream(&mut out, id, Reason::CANCEL);
+        }
+        c.write_all(&out).await.unwrap();
+        let mut buf = Vec::new();
+        let frames = read_until(&mut c, &mut buf, |h, _| h.kind == kind::GOAWAY).await;
+        let (_, payload) = frames.last().expect("a GOAWAY");
+        assert_eq!(&payload[4..8], &Reason::ENHANCE_YOUR_CALM.0.to_be_bytes());
+    }
+
+    /// The own server's answer reaches h2's client whole, body included.
+    #[tokio::test]
+    async fn h2s_client_reads_an_answer() {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let service = |req: Request<RecvBody>| {
+            Box::pin(async move {
+                let body = req
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                Response::new(Full::new(body))
+            })
+        };
+        tokio::spawn(Connection::new(server, SETTINGS, service));
+        let (mut h2, conn) = h2::client::handshake(client).await.unwrap();
+        tokio::spawn(conn);
+        let req = Request::post("http://a/echo").body(()).unwrap();
+        let (answer, mut send) = h2.send_request(req, false).unwrap();
+        send.send_data(Bytes::from(vec![7u8; 200_000]), true)
+            .unwrap();
+        let mut body = answer.await.unwrap().into_body();
+        let mut got = 0;
+        while let Some(data) = body.data().await {
+            let data = data.unwrap();
+            got += data.len();
+            let _ = body.flow_control().release_capacity(data.len());
+        }
+        assert_eq!(got, 200_000);
     }
 }
