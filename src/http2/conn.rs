@@ -4,6 +4,7 @@
 //! requests' futures and the responses' bodies are polled here, each woken
 //! on its own, never spawned.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
@@ -241,7 +242,7 @@ where
             settings,
             phase: Phase::Preface,
             error: None,
-            read: BytesMut::with_capacity(16 * 1024),
+            read: BytesMut::new(),
             write,
             written: 0,
             eof: false,
@@ -251,8 +252,8 @@ where
             tasks: FuturesUnordered::new(),
             gone: 0,
             last_id: 0,
-            closed: VecDeque::with_capacity(REMEMBERED),
-            reset: VecDeque::with_capacity(REMEMBERED),
+            closed: VecDeque::new(),
+            reset: VecDeque::new(),
             continuing: None,
             peer_window: DEFAULT_WINDOW,
             peer_max_frame: frame::DEFAULT_MAX_FRAME,
@@ -302,6 +303,13 @@ where
 
     /// Reads and acts on whatever the client has sent.
     fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.read.capacity() == 0 {
+            let (read, write) = lend();
+            self.read = read;
+            if self.write.capacity() == 0 {
+                self.write = write;
+            }
+        }
         if self.read.capacity() - self.read.len() < 4096 {
             self.read.reserve(16 * 1024);
         }
@@ -1012,6 +1020,14 @@ where
                 });
             }
             if !progress {
+                // An idle connection keeps no buffers (it may wait for a
+                // long time, and there may be many such).
+                if self.streams.is_empty() && self.read.is_empty() && self.write.is_empty() {
+                    give_back(
+                        std::mem::take(&mut self.read),
+                        std::mem::take(&mut self.write),
+                    );
+                }
                 return Poll::Pending;
             }
         }
@@ -1031,6 +1047,41 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.get_mut().poll_inner(cx)
     }
+}
+
+thread_local! {
+    /// Buffers of this thread's idle HTTP/2 connections, for the next busy
+    /// one: an idle connection holds none, and a busy one costs no
+    /// allocation to get them.
+    static SPARE: RefCell<Vec<(BytesMut, Vec<u8>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Spare buffers kept per thread; above it they are freed.
+const MAX_SPARE: usize = 64;
+
+/// A read and a write buffer, spare or new.
+fn lend() -> (BytesMut, Vec<u8>) {
+    SPARE
+        .try_with(|spare| spare.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| (BytesMut::with_capacity(16 * 1024), Vec::new()))
+}
+
+/// Keeps an idle connection's (empty) buffers for the next busy one.
+fn give_back(mut read: BytesMut, mut write: Vec<u8>) {
+    read.clear();
+    write.clear();
+    if read.capacity() == 0 || read.capacity() > 64 * 1024 || write.capacity() > 64 * 1024 {
+        return;
+    }
+    // At the thread's end the spares may be gone already.
+    let _ = SPARE.try_with(|spare| {
+        let mut spare = spare.borrow_mut();
+        if spare.len() < MAX_SPARE {
+            spare.push((read, write));
+        }
+    });
 }
 
 /// A `content-length` value: digits only (as h2 reads it).
