@@ -233,7 +233,7 @@ impl Hyper {
         if let Proto::Http2 = proto {
             let settings = self.protocols.http2;
             let service = move |req: Request<RecvBody>| {
-                let req = req.map(|b| RequestBody::Stream(ClientBody::Http2(b)));
+                let req = req.map(|b| RequestBody::Stream(ClientBody::Right(b)));
                 // Boxed, made in its box: the proxy's phases make it
                 // kilobytes, and the connection keeps it until answered.
                 let (conn, keys) = (conn.clone(), keys.clone());
@@ -247,7 +247,7 @@ impl Hyper {
             });
         }
         let service = service_fn(move |req: Request<Incoming>| {
-            let req = req.map(|b| RequestBody::Stream(ClientBody::Hyper(b)));
+            let req = req.map(|b| RequestBody::Stream(ClientBody::Left(b)));
             let (conn, keys) = (conn.clone(), keys.clone());
             // Boxed, made in its box: hyper moves the future again.
             let serving = in_place(move || respond(conn, keys, req));

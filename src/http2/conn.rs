@@ -28,9 +28,7 @@ use super::request::Fields;
 /// connection's: what a client may have in flight, per stream and in all,
 /// before sluice has read it.
 pub const STREAM_WINDOW: u32 = 1 << 20;
-const CONN_WINDOW: u32 = 1 << 20;
-#[cfg(test)]
-pub const CONN_WINDOW_FOR_TESTS: u32 = CONN_WINDOW;
+pub const CONN_WINDOW: u32 = 1 << 20;
 
 /// The window a client gives until it says otherwise (RFC 9113, 6.9.2).
 const DEFAULT_WINDOW: i64 = 65_535;

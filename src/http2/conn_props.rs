@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
-use super::conn::{CONN_WINDOW_FOR_TESTS, Connection, STREAM_WINDOW, Settings};
+use super::conn::{CONN_WINDOW, Connection, STREAM_WINDOW, Settings};
 use super::frame::{self, Frame, Head, Reason, flag, kind};
 
 const SETTINGS: Settings = Settings {
@@ -342,7 +342,7 @@ async fn h2s(bytes: Vec<u8>) -> Outcome {
         tokio::spawn(async move {
             let mut conn = match h2::server::Builder::new()
                 .initial_window_size(STREAM_WINDOW)
-                .initial_connection_window_size(CONN_WINDOW_FOR_TESTS)
+                .initial_connection_window_size(CONN_WINDOW)
                 .max_concurrent_streams(SETTINGS.max_streams)
                 .max_header_list_size(SETTINGS.max_header_list as u32)
                 .handshake::<_, Bytes>(server)

@@ -379,7 +379,7 @@ impl Encoder {
 
 /// Writes `value` as an integer with an `n`-bit prefix, the first byte's
 /// other bits `flags` (RFC 7541, 5.1).
-fn put_int(dst: &mut Vec<u8>, flags: u8, n: u32, value: usize) {
+pub fn put_int(dst: &mut Vec<u8>, flags: u8, n: u32, value: usize) {
     let mask = (1usize << n) - 1;
     if value < mask {
         dst.push(flags | value as u8);

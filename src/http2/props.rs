@@ -12,7 +12,7 @@ use proptest::sample::select;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
 use super::frame::{self, Frame, Head};
-use super::hpack::{DecodeError, Decoder, Encoder};
+use super::hpack::{DecodeError, Decoder, Encoder, put_int};
 use super::huffman;
 
 /// Names h2's encoder treats differently: in the static table or not,
@@ -147,16 +147,23 @@ fn decode(d: &mut Decoder, block: &[u8]) -> Result<Decoded, DecodeError> {
     Ok((pseudo, fields))
 }
 
+/// h2's client, with a table of `table` bytes, and the server's end of
+/// its connection.
+async fn h2_client(table: u32) -> (h2::client::SendRequest<Bytes>, DuplexStream) {
+    let (client_io, server_io) = tokio::io::duplex(1 << 20);
+    let (client, conn) = h2::client::Builder::new()
+        .header_table_size(table)
+        .handshake::<_, Bytes>(client_io)
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    (client, server_io)
+}
+
 /// Requests h2's client sends on one connection decode to what it sent.
 fn check_requests(requests: &[(String, Fields)], table: u32) -> Result<(), TestCaseError> {
     runtime().block_on(async {
-        let (client_io, mut server_io) = tokio::io::duplex(1 << 20);
-        let (mut client, conn) = h2::client::Builder::new()
-            .header_table_size(table)
-            .handshake::<_, Bytes>(client_io)
-            .await
-            .expect("handshake");
-        tokio::spawn(conn);
+        let (mut client, mut server_io) = h2_client(table).await;
         let mut sent = Vec::new();
         for (path, fields) in requests {
             let mut req = Request::get(format!("http://example.com{path}"))
@@ -185,13 +192,7 @@ fn check_requests(requests: &[(String, Fields)], table: u32) -> Result<(), TestC
 /// Responses the own encoder writes are read by h2's client as written.
 fn check_responses(answers: &[(u16, Fields)], table: u32) -> Result<(), TestCaseError> {
     runtime().block_on(async {
-        let (client_io, mut server_io) = tokio::io::duplex(1 << 20);
-        let (mut client, conn) = h2::client::Builder::new()
-            .header_table_size(table)
-            .handshake::<_, Bytes>(client_io)
-            .await
-            .expect("handshake");
-        tokio::spawn(conn);
+        let (mut client, mut server_io) = h2_client(table).await;
         let mut waiting = Vec::new();
         for _ in answers {
             client = client.ready().await.expect("ready");
@@ -263,21 +264,6 @@ fn rep() -> impl Strategy<Value = Rep> {
             .prop_map(|(kind, index, name, value)| Rep::Literal { kind, index, name, value }),
         1 => prop_oneof![0usize..5000, Just(4096)].prop_map(Rep::SizeUpdate),
     ]
-}
-
-fn put_int(dst: &mut Vec<u8>, flags: u8, n: u32, v: usize) {
-    let mask = (1usize << n) - 1;
-    if v < mask {
-        dst.push(flags | v as u8);
-        return;
-    }
-    dst.push(flags | mask as u8);
-    let mut rest = v - mask;
-    while rest >= 0x80 {
-        dst.push(0x80 | (rest & 0x7f) as u8);
-        rest >>= 7;
-    }
-    dst.push(rest as u8);
 }
 
 fn put_str(dst: &mut Vec<u8>, s: &Str) {

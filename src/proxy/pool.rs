@@ -706,41 +706,9 @@ fn bare_host(server: &UpstreamServer) -> &str {
         .trim_end_matches(']')
 }
 
-/// A client's request body as a server reads it: hyper's (HTTP/1.1), or
-/// sluice's own HTTP/2 server's.
-pub enum ClientBody {
-    Hyper(Incoming),
-    Http2(crate::http2::RecvBody),
-}
-
-impl Body for ClientBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
-            ClientBody::Http2(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            ClientBody::Hyper(b) => b.is_end_stream(),
-            ClientBody::Http2(b) => b.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            ClientBody::Hyper(b) => b.size_hint(),
-            ClientBody::Http2(b) => b.size_hint(),
-        }
-    }
-}
+/// A client's request body as a server reads it: hyper's (HTTP/1.1, left),
+/// or sluice's own HTTP/2 server's (right).
+pub type ClientBody = http_body_util::Either<Incoming, crate::http2::RecvBody>;
 
 /// A request's body: the client's as a server reads it, or none (a
 /// request sluice's own server ([`crate::front`]) took, which never has one,
