@@ -216,8 +216,9 @@ impl<T> Conn<T> {
         self.state.load(Ordering::Acquire) & STOPPING != 0
     }
 
-    /// The connection is served by hyper from now on: at shutdown it is
-    /// told by the signal, not closed (HTTP/2 then sends GOAWAY).
+    /// The connection is served by hyper's HTTP/1 or the own HTTP/2 server
+    /// from now on: at shutdown it is told by the signal, not closed (HTTP/2
+    /// then sends GOAWAY).
     pub fn to_hyper(&self) {
         self.state.fetch_or(HYPER, Ordering::AcqRel);
     }

@@ -262,46 +262,46 @@ type ResponseBody = Tracked<Either<crate::proxy::Body, Pumped>>;
 
 /// Answers `req`, a request of `conn` (served by hyper's HTTP/1.1 or the
 /// own HTTP/2 server). The request begins inside the future: begun out
-/// here, it made hyper copy the request's future once more.
+/// here, it made hyper copy the request's future once more. (An `async`
+/// block, not an `async fn`, whose arguments would be kept twice, see
+/// `plain`.)
+#[allow(clippy::manual_async_fn)]
 fn respond(
     conn: Arc<Conn>,
     keys: Arc<KeyCache>,
     mut req: Request<RequestBody>,
 ) -> impl Future<Output = Response<ResponseBody>> + Send {
-    {
-        async move {
-            let request = conn.begin();
-            let client = &conn.client;
-            // Several requests at once (HTTP/2): each its own timer.
-            let mut answer = None;
-            client
-                .proxy
-                .handle(&mut req, None, client.peer(), &keys, None, &mut answer)
-                .await;
-            // `handle` always answers; a 500 should it ever not.
-            let resp =
-                answer.map_or_else(|| ProxyError::Unanswered.response(), Answer::into_response);
-            // An HTTP/2 stream without window is never written to: its
-            // body is watched apart.
-            let h2 = req.version() == http::Version::HTTP_2;
-            // A body sluice answered without reading (a 404, a 429, a
-            // `respond` route) is read first, a little (see `drain`).
-            if h2 && !req.body().is_end_stream() {
-                drain(req.body_mut()).await;
-            }
-            let send_timeout = client.send_timeout();
-            let resp = resp.map(|body| match body {
-                Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
-                    let conn = conn.clone();
-                    let ahead = crate::stall::READ_AHEAD;
-                    Either::Right(Pumped::new(upstream, ahead, send_timeout, move || {
-                        conn.close()
-                    }))
-                }
-                body => Either::Left(body),
-            });
-            resp.map(|body| Tracked::new(body, request))
+    async move {
+        let request = conn.begin();
+        let client = &conn.client;
+        // Several requests at once (HTTP/2): each its own timer.
+        let mut answer = None;
+        client
+            .proxy
+            .handle(&mut req, None, client.peer(), &keys, None, &mut answer)
+            .await;
+        // `handle` always answers; a 500 should it ever not.
+        let resp = answer.map_or_else(|| ProxyError::Unanswered.response(), Answer::into_response);
+        // An HTTP/2 stream without window is never written to: its
+        // body is watched apart.
+        let h2 = req.version() == http::Version::HTTP_2;
+        // A body sluice answered without reading (a 404, a 429, a
+        // `respond` route) is read first, a little (see `drain`).
+        if h2 && !req.body().is_end_stream() {
+            drain(req.body_mut()).await;
         }
+        let send_timeout = client.send_timeout();
+        let resp = resp.map(|body| match body {
+            Either::Left(upstream) if h2 && !upstream.is_end_stream() => {
+                let conn = conn.clone();
+                let ahead = crate::stall::READ_AHEAD;
+                Either::Right(Pumped::new(upstream, ahead, send_timeout, move || {
+                    conn.close()
+                }))
+            }
+            body => Either::Left(body),
+        });
+        resp.map(|body| Tracked::new(body, request))
     }
 }
 

@@ -14,13 +14,13 @@
 //! - [`Pumped`] covers an HTTP/2 stream whose client never opens its
 //!   flow-control window: the connection's socket is fine, but the HTTP/2
 //!   server does not poll the body of a stream without window, so no write
-//!   ever waits. A
-//!   task reads the body ahead of the client into a queue of up to
-//!   [`READ_AHEAD`] bytes; when the client has taken nothing from a full
-//!   queue for the timeout, the task drops the body (ending the upstream
-//!   exchange) and the connection is closed, as a stalled HTTP/1 one is: its
-//!   other streams' queues, and what the server holds for them, go with it. What
-//!   of the body has arrived when the stream is answered is taken at once,
+//!   ever waits. A task reads the body ahead of the client into a queue of
+//!   up to [`READ_AHEAD`] bytes; when the client has taken nothing from a
+//!   full queue for the timeout, the task drops the body (ending the
+//!   upstream exchange) and the connection is closed, as a stalled HTTP/1
+//!   one is: its other streams' queues, and what the server holds for them,
+//!   go with it. What of the body has arrived when the stream is answered
+//!   is taken at once,
 //!   and an answer that has arrived whole (most small ones) needs no task:
 //!   it no longer holds the upstream either.
 
@@ -184,8 +184,8 @@ pub struct Pumped {
 impl Pumped {
     /// Starts reading `body` ahead of the client, at most `room` bytes,
     /// which the client has `limit` to take; `cut` runs if it does not (for
-    /// HTTP/2 it closes the connection: the queue, and what the server holds for
-    /// the stream, go with it).
+    /// HTTP/2 it closes the connection: the queue, and what the server holds
+    /// for the stream, go with it).
     pub fn new<B>(
         body: B,
         room: usize,

@@ -94,13 +94,6 @@ impl Inbox {
         wake(s.reader.take());
     }
 
-    /// It will never be whole.
-    pub fn fail(&self, reason: Reason) {
-        let mut s = self.lock();
-        s.failed.get_or_insert(reason);
-        wake(s.reader.take());
-    }
-
     /// Takes the bytes read since the last call (to give back as window);
     /// `waker` is woken when more is read.
     pub fn take_released(&self, waker: &Waker) -> usize {

@@ -786,10 +786,7 @@ where
         }
         let mut block = Vec::with_capacity(128);
         self.encoder.status(parts.status.as_u16(), &mut block);
-        for (name, value) in &parts.headers {
-            self.encoder
-                .field(name.as_str().as_bytes(), value.as_bytes(), &mut block);
-        }
+        self.encoder.fields(&parts.headers, &mut block);
         frame::put_headers(&mut self.write, id, &block, end, self.peer_max_frame);
         let Some(s) = self.streams.get_mut(&id) else {
             return;
@@ -896,13 +893,7 @@ where
                 Err(frame) => {
                     if let Ok(trailers) = frame.into_trailers() {
                         let mut block = Vec::new();
-                        for (name, value) in &trailers {
-                            self.encoder.field(
-                                name.as_str().as_bytes(),
-                                value.as_bytes(),
-                                &mut block,
-                            );
-                        }
+                        self.encoder.fields(&trailers, &mut block);
                         frame::put_headers(&mut self.write, id, &block, true, self.peer_max_frame);
                         s.send = Send::Done;
                         self.finish_if_done(id);
@@ -1148,7 +1139,7 @@ mod tests {
     }
 
     /// Reads frames until `until` says stop (or the connection ends); each
-    /// frame's head and payload.
+    /// frame's head and payload. Panics if the server goes quiet first.
     async fn read_until(
         io: &mut DuplexStream,
         buf: &mut Vec<u8>,
@@ -1169,7 +1160,11 @@ mod tests {
                 }
             }
             let mut chunk = [0u8; 16 * 1024];
-            match io.read(&mut chunk).await {
+            // A server that never sends what the test waits for fails the
+            // test rather than hanging it.
+            let read =
+                tokio::time::timeout(std::time::Duration::from_secs(10), io.read(&mut chunk));
+            match read.await.expect("the server sent nothing for 10 s") {
                 Ok(0) | Err(_) => return frames,
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
@@ -1268,7 +1263,7 @@ mod tests {
 
     /// The own server's answer reaches h2's client whole, body included.
     #[tokio::test]
-    async fn h2s_client_reads_an_answer() {
+    async fn h2_client_reads_an_answer_whole() {
         let (client, server) = tokio::io::duplex(1 << 16);
         let service = |req: Request<RecvBody>| {
             Box::pin(async move {

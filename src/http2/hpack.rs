@@ -357,6 +357,13 @@ impl Encoder {
         dst.extend_from_slice(digits.as_bytes());
     }
 
+    /// Adds every field of `fields` (see [`Encoder::field`]).
+    pub fn fields(&mut self, fields: &http::HeaderMap, dst: &mut Vec<u8>) {
+        for (name, value) in fields {
+            self.field(name.as_str().as_bytes(), value.as_bytes(), dst);
+        }
+    }
+
     /// Adds a field: a literal without indexing, its name indexed when the
     /// static table has it. Begins a block (a trailers block) if `status`
     /// has not.

@@ -162,13 +162,8 @@ pub fn decode(src: &[u8], dst: &mut Vec<u8>) -> Result<(), HuffmanError> {
     }
 }
 
-/// How many bytes `src` takes coded.
-pub fn encoded_len(src: &[u8]) -> usize {
-    let bits: usize = src.iter().map(|&b| LENGTHS[b as usize] as usize).sum();
-    bits.div_ceil(8)
-}
-
-/// Appends `src` coded to `dst`, padded with ones to a whole byte.
+/// Appends `src` coded to `dst`, padded with ones to a whole byte. (sluice
+/// writes its answers without Huffman coding; the tests code with this.)
 pub fn encode(src: &[u8], dst: &mut Vec<u8>) {
     let mut acc: u64 = 0;
     let mut bits: u32 = 0;
@@ -238,7 +233,6 @@ mod tests {
             let mut back = Vec::new();
             encode(plain, &mut back);
             assert_eq!(back, coded);
-            assert_eq!(encoded_len(plain), coded.len());
         }
     }
 
