@@ -623,6 +623,11 @@ impl Gather {
         }
     }
 
+    /// Whether decisions were made one in the batch so far.
+    fn joins(&self) -> bool {
+        !self.runs.is_empty()
+    }
+
     /// Writes the batch to `out` as one `EVALSHA` of the script `hash`, and
     /// empties it; returns its runs.
     fn close(&mut self, out: &mut Vec<u8>, hash: &[u8]) -> Vec<Run> {
@@ -1108,13 +1113,18 @@ async fn write_loop<W: AsyncWrite + Unpin>(link: Arc<Link>, mut w: W) {
         link.wake.notified().await;
         // Under load (other calls still waiting for their answers), let every
         // task that is ready run first (and the runtime poll its sockets):
-        // their calls join this write. That made batches about three times
-        // larger (one write per ~38 decisions at wrk -c50, not per ~12), with
-        // a fifth of the context switches and 4-10 % less proxy CPU per
-        // request. A lone call is written at once: yielding for it cost an
-        // idle multi-threaded proxy about 10 % more CPU and latency per call.
+        // their calls join this write, for fewer Redis calls and wake-ups. A
+        // lone call is written at once, so that a request alone is not
+        // delayed. Decisions made one (a busy client's, on windows) cost
+        // Redis one decision however many they are, so a second round,
+        // which gathers more into them, pays; where none joined, each
+        // decision is Redis's own work, and a second round only delays it.
+        // (docs/performance.md has the figures.)
         if link.lock().waiting.len() > 1 {
             tokio::task::yield_now().await;
+            if link.lock().batch.joins() {
+                tokio::task::yield_now().await;
+            }
         }
         {
             let mut s = link.lock();
@@ -1432,6 +1442,45 @@ mod tests {
         ] {
             assert_eq!(next_bulk(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_batch_says_whether_decisions_were_made_one() {
+        let bulk = |bytes: &[u8]| {
+            let mut c = Command::new(0, 0);
+            c.0.clear();
+            c.arg(bytes);
+            c.0
+        };
+        // acquire.lua's argument: check and charge, the time, a cost of 1,
+        // the nonce, one counter of `kind` (1: a fixed window; 2: a GCRA).
+        let arg = |nonce: u8, kind: u8| {
+            let mut a = vec![1u8];
+            a.extend_from_slice(&[7; 8]);
+            a.extend_from_slice(&1f64.to_be_bytes());
+            a.extend_from_slice(&[nonce; 8]);
+            let mut counter = [0u8; 34];
+            counter[1] = kind;
+            a.extend_from_slice(&counter);
+            bulk(&a)
+        };
+        let joins = |decisions: &[(&[u8], u8, u8)]| {
+            let mut g = Gather::default();
+            for &(key, nonce, kind) in decisions {
+                let script = Script {
+                    keys: 0,
+                    arg: 0,
+                    count: 1,
+                };
+                g.add(&bulk(key), 1, &[&arg(nonce, kind)], Vec::new, script, true);
+            }
+            g.joins()
+        };
+        assert!(joins(&[(b"a", 1, 1), (b"a", 2, 1)]));
+        assert!(joins(&[(b"b", 1, 1), (b"a", 1, 1), (b"a", 2, 1)]));
+        assert!(!joins(&[(b"a", 1, 1)]));
+        assert!(!joins(&[(b"a", 1, 1), (b"b", 2, 1)]));
+        assert!(!joins(&[(b"a", 1, 2), (b"a", 2, 2)]));
     }
 
     #[test]
