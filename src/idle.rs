@@ -18,8 +18,9 @@
 //!
 //! At shutdown ([`Connections::stop`]) a connection of sluice's own HTTP/1.1
 //! server that waits for a request is closed at once, one with a request in
-//! flight is told to close after it (see [`Conn::stopping`]); hyper's
-//! connections get the shutdown signal (see `crate::graceful`).
+//! flight is told to close after it (see [`Conn::stopping`]); connections
+//! handed off to hyper's HTTP/1 or the own HTTP/2 server get the shutdown
+//! signal (see `crate::graceful`).
 //!
 //! A connection of the own HTTP/1.1 server on plain TCP that waits for its
 //! next request may be parked ([`Ended::park`]): its task ends, and its
@@ -51,8 +52,9 @@ fn now_ms() -> u64 {
 }
 
 // `Conn::state`: the requests in flight in the low bits, and these flags.
-/// Served by hyper, which is told of a shutdown by the signal.
-const HYPER: u64 = 1 << 60;
+/// Handed off to hyper's HTTP/1 or the own HTTP/2 server, which is told of a
+/// shutdown by the signal.
+const HANDED_OFF: u64 = 1 << 60;
 /// Shutting down: close after the requests in flight.
 const STOPPING: u64 = 1 << 61;
 /// Being closed: begin no request.
@@ -169,7 +171,8 @@ impl<T> Conn<T> {
         }
         let mut slot = self.slot();
         if !matches!(*slot, Slot::Waiting(..))
-            || self.state.load(Ordering::Acquire) & (COUNT | HYPER | CLOSING | STOPPING | DONE) != 0
+            || self.state.load(Ordering::Acquire) & (COUNT | HANDED_OFF | CLOSING | STOPPING | DONE)
+                != 0
         {
             return;
         }
@@ -219,8 +222,8 @@ impl<T> Conn<T> {
     /// The connection is served by hyper's HTTP/1 or the own HTTP/2 server
     /// from now on: at shutdown it is told by the signal, not closed (HTTP/2
     /// then sends GOAWAY).
-    pub fn to_hyper(&self) {
-        self.state.fetch_or(HYPER, Ordering::AcqRel);
+    pub fn hand_off(&self) {
+        self.state.fetch_or(HANDED_OFF, Ordering::AcqRel);
     }
 
     /// Closes the connection if no request is in flight: marked first, so a
@@ -336,7 +339,8 @@ pub type Resume = Arc<dyn Fn(TcpStream, Ended, Arc<Connections>) -> JoinHandle<(
 pub struct Connections {
     list: Mutex<Vec<Arc<Conn>>>,
     stopping: AtomicBool,
-    /// For hyper's connections (see `crate::graceful::watch`).
+    /// For connections handed off to hyper's HTTP/1 or the own HTTP/2 server
+    /// (see `crate::graceful::watch`).
     signal: watch::Sender<()>,
     /// One per connection (`server.max_connections`), taken when it is
     /// accepted and given back when it ends: held by no task, as a parked
@@ -449,7 +453,7 @@ impl Connections {
         }
     }
 
-    /// The shutdown signal for a connection hyper serves from now on: it
+    /// The shutdown signal for a connection handed off from now on: it
     /// finishes its requests in flight, then closes. A shutdown already
     /// begun counts.
     pub fn signal(&self) -> watch::Receiver<()> {
@@ -475,13 +479,13 @@ impl Connections {
 
     /// Shutdown: connections of sluice's own server are closed now when they
     /// have no request in flight, and otherwise told to close after it;
-    /// hyper's get the signal. Wait for them to end by the connection limit's
-    /// permits.
+    /// those handed off get the signal. Wait for them to end by the
+    /// connection limit's permits.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
         self.signal.send_replace(());
         for conn in self.list().iter() {
-            if conn.state.load(Ordering::Acquire) & HYPER != 0 {
+            if conn.state.load(Ordering::Acquire) & HANDED_OFF != 0 {
                 continue;
             }
             conn.state.fetch_or(STOPPING, Ordering::AcqRel);

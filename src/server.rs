@@ -172,14 +172,14 @@ impl Server {
                     let server = &built_for.config.server;
                     let client = Client::new(proxy.clone(), peer, server.client_send_timeout);
                     let conn = Conn::new(server.header_timeout, client, Arc::downgrade(&conns));
-                    let hyper = Hyper { protocols: protocols.clone(), conns: conns.clone() };
+                    let servers = Servers { protocols: protocols.clone(), conns: conns.clone() };
                     match &boot_tls {
-                        None => conns.spawn(conn, |ended| plain(stream, hyper, ended, false)),
+                        None => conns.spawn(conn, |ended| plain(stream, servers, ended, false)),
                         Some(boot) => {
                             let acceptor = proxy.state().tls.clone().unwrap_or_else(|| boot.clone());
                             // The handshake runs in the connection's own task, so a
                             // slow client cannot hold up accepting.
-                            conns.spawn(conn, |ended| tls(stream, acceptor, hyper, ended));
+                            conns.spawn(conn, |ended| tls(stream, acceptor, servers, ended));
                         }
                     }
                 }
@@ -211,13 +211,14 @@ impl Server {
     }
 }
 
-/// What a connection needs to be served by hyper.
-struct Hyper {
+/// The servers a connection is handed off to, which serve it to its end:
+/// hyper's HTTP/1 and sluice's own HTTP/2.
+struct Servers {
     protocols: Arc<Protocols>,
     conns: Arc<Connections>,
 }
 
-impl Hyper {
+impl Servers {
     /// Serves `io`, the client connection of `conn`, speaking `proto`:
     /// HTTP/1.1 by hyper, HTTP/2 by sluice's own server ([`crate::http2`]),
     /// until it ends or is shut down (see [`Protocols::serve`]).
@@ -225,7 +226,7 @@ impl Hyper {
     where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        conn.to_hyper();
+        conn.hand_off();
         let signal = self.conns.signal();
         // The limiter's cache of the last request's identities (see
         // `front::Client`), for the connection's life.
@@ -330,7 +331,7 @@ type Serving = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send>>;
 #[allow(clippy::manual_async_fn)]
 fn plain(
     mut stream: TcpStream,
-    hyper: Hyper,
+    servers: Servers,
     ended: Ended,
     resumed: bool,
 ) -> impl Future<Output = ()> + Send {
@@ -349,7 +350,7 @@ fn plain(
         let proto = handoff(&rest);
         let io = Coalesce(Rewind::new(stream, rest));
         let io = SendTimeout::new(io, conn.client.send_timeout());
-        if let Err(e) = hyper.serve(io, proto, conn).await {
+        if let Err(e) = servers.serve(io, proto, conn).await {
             log_error(&ended, e);
         }
     }
@@ -382,7 +383,7 @@ fn handoff(rest: &[u8]) -> Proto {
 fn tls(
     stream: TcpStream,
     acceptor: tokio_rustls::TlsAcceptor,
-    hyper: Hyper,
+    servers: Servers,
     ended: Ended,
 ) -> impl Future<Output = ()> + Send {
     Box::pin(async move {
@@ -401,7 +402,7 @@ fn tls(
         // The session is moved into the part that serves it before that is
         // awaited: held here across the wait, it would take its room twice.
         let serving = match handshake.await {
-            Some(stream) => serve_tls(stream, conn, hyper),
+            Some(stream) => serve_tls(stream, conn, servers),
             None => return,
         };
         let served = serving.await;
@@ -418,14 +419,14 @@ fn tls(
 fn serve_tls<'a>(
     stream: tokio_rustls::server::TlsStream<TcpStream>,
     conn: &'a Arc<Conn>,
-    hyper: Hyper,
+    servers: Servers,
 ) -> Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>> {
     match stream.get_ref().1.alpn_protocol() {
         Some(b"h2") => {
             let io = SendTimeout::new(stream, conn.client.send_timeout());
-            hyper.serve(io, Proto::Http2, conn.clone())
+            servers.serve(io, Proto::Http2, conn.clone())
         }
-        _ => Box::pin(tls_http1(stream, conn, hyper)),
+        _ => Box::pin(tls_http1(stream, conn, servers)),
     }
 }
 
@@ -436,7 +437,7 @@ fn serve_tls<'a>(
 fn tls_http1(
     mut stream: tokio_rustls::server::TlsStream<TcpStream>,
     conn: &Arc<Conn>,
-    hyper: Hyper,
+    servers: Servers,
 ) -> impl Future<Output = Result<(), BoxError>> + Send + '_ {
     async move {
         let send_timeout = conn.client.send_timeout();
@@ -458,7 +459,7 @@ fn tls_http1(
             Some(_) => Proto::Http1,
         };
         let io = SendTimeout::new(Rewind::new(stream, rest), send_timeout);
-        hyper.serve(io, proto, conn.clone()).await
+        servers.serve(io, proto, conn.clone()).await
     }
 }
 
@@ -469,11 +470,11 @@ fn resume(protocols: Arc<Protocols>) -> crate::idle::Resume {
     // runtime's end).
     let runtime = tokio::runtime::Handle::current();
     Arc::new(move |stream, ended, conns| {
-        let hyper = Hyper {
+        let servers = Servers {
             protocols: protocols.clone(),
             conns,
         };
-        runtime.spawn(plain(stream, hyper, ended, true))
+        runtime.spawn(plain(stream, servers, ended, true))
     })
 }
 
@@ -713,7 +714,7 @@ mod tests {
     use super::*;
 
     /// The size of what `serve` returns, by its type alone.
-    fn future_size<F: Future>(_serve: fn(TcpStream, Hyper, Ended, bool) -> F) -> usize {
+    fn future_size<F: Future>(_serve: fn(TcpStream, Servers, Ended, bool) -> F) -> usize {
         std::mem::size_of::<F>()
     }
 
