@@ -60,6 +60,10 @@ use super::{GIVE_UP, StoreError};
 /// answering (but kept the connection) must not make the queue grow forever.
 const MAX_WAITING: usize = 10_000;
 
+/// Rounds of the worker's ready tasks the writer lets run before it writes,
+/// at most, while decisions are being joined (see [`write_loop`]).
+const JOINED_ROUNDS: usize = 4;
+
 /// A reply, as far as the store reads replies (RESP2).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
@@ -1116,13 +1120,16 @@ async fn write_loop<W: AsyncWrite + Unpin>(link: Arc<Link>, mut w: W) {
         // their calls join this write, for fewer Redis calls and wake-ups. A
         // lone call is written at once, so that a request alone is not
         // delayed. Decisions made one (a busy client's, on windows) cost
-        // Redis one decision however many they are, so a second round,
-        // which gathers more into them, pays; where none joined, each
-        // decision is Redis's own work, and a second round only delays it.
+        // Redis one decision however many they are, so more rounds, which
+        // gather more into them, pay; where none joined, each decision is
+        // Redis's own work, and more rounds only delay it.
         // (docs/performance.md has the figures.)
         if link.lock().waiting.len() > 1 {
             tokio::task::yield_now().await;
-            if link.lock().batch.joins() {
+            for _ in 1..JOINED_ROUNDS {
+                if !link.lock().batch.joins() {
+                    break;
+                }
                 tokio::task::yield_now().await;
             }
         }
