@@ -20,9 +20,8 @@
 //!   upstream exchange) and the connection is closed, as a stalled HTTP/1
 //!   one is: its other streams' queues, and what the server holds for them,
 //!   go with it. What of the body has arrived when the stream is answered
-//!   is taken at once,
-//!   and an answer that has arrived whole (most small ones) needs no task:
-//!   it no longer holds the upstream either.
+//!   is taken at once, and an answer that has arrived whole (most small
+//!   ones) needs no task: it no longer holds the upstream either.
 
 use std::future::Future;
 use std::io::{self, IoSlice};

@@ -302,9 +302,12 @@ where
     /// Reads and acts on whatever the client has sent.
     fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.read.capacity() == 0 {
-            let (read, write) = lend();
+            let (read, mut write) = lend();
             self.read = read;
-            if self.write.capacity() == 0 {
+            // A larger spare write buffer is kept rather than freed; what
+            // waits to be written (a new connection's SETTINGS) moves in.
+            if write.capacity() > self.write.capacity() {
+                write.extend_from_slice(&self.write);
                 self.write = write;
             }
         }
