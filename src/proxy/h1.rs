@@ -63,8 +63,9 @@ pub enum H1Error {
 /// up to [`MAX_SPARE_HEADS`].
 pub struct HeadBuf(Vec<u8>);
 
-/// Spare head buffers a thread keeps (see [`HeadBuf`]).
-const MAX_SPARE_HEADS: usize = 256;
+/// Spare head buffers a thread keeps (see [`HeadBuf`]): as many as its
+/// spare exchange buffers (`front::MAX_SPARE`).
+const MAX_SPARE_HEADS: usize = 1024;
 
 thread_local! {
     static SPARE_HEADS: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
