@@ -578,11 +578,10 @@ impl Drop for Lent {
 
 /// Spare buffers kept per thread (see [`Lent`]): enough for the requests
 /// one thread has in flight at once under load (as many as an upstream's
-/// default `keepalive`, sized for the same); above it they are freed. A
+/// default `keepalive` keeps connections for); above it they are freed. A
 /// request that finds none makes its own, which costs more than the
-/// allocations: at 1,000 connections, 256 spares cost 5 % more CPU a
-/// request (docs/performance.md).
-const MAX_SPARE: usize = 1024;
+/// allocations (docs/performance.md, "Spare buffers at 1,000 connections").
+pub(crate) const MAX_SPARE: usize = 1024;
 
 /// How many spare read buffers this thread holds: for tests, which run the
 /// server on their own thread and can see that idle connections hold none.

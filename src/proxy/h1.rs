@@ -64,8 +64,8 @@ pub enum H1Error {
 pub struct HeadBuf(Vec<u8>);
 
 /// Spare head buffers a thread keeps (see [`HeadBuf`]): as many as its
-/// spare exchange buffers (`front::MAX_SPARE`).
-const MAX_SPARE_HEADS: usize = 1024;
+/// spare exchange buffers, one for each request in flight.
+const MAX_SPARE_HEADS: usize = crate::front::MAX_SPARE;
 
 thread_local! {
     static SPARE_HEADS: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
